@@ -1,0 +1,29 @@
+"""Policy objectives on the correction grid (issue 4): `build_objective(name, **kwargs)`.
+
+    obj = build_objective("tis", cap=2.0, level="sequence")
+    out = obj(logp, batch)          # logp: log π_θ of the sampled tokens [B, T], with grad
+    out.loss.backward(); log(out.metrics)
+
+Registries: OBJECTIVES (ppo_clip, gspo, tis, mis, cispo, band, dppo_tv, snr_shrink, nsr,
+calibrated_clip, cis, stapo, opsd_fkl, grid) and AGGREGATIONS (token-mean, seq-mean-token-mean,
+seq-mean-token-sum-norm). Unknown names raise KeyError and unknown kwargs TypeError, both listing
+the valid ones. Training-loop contract:
+  - `obj.inputs` is "logp" (obj(logp, batch)) or "logits" (opsd_fkl: obj(student, teacher, mask));
+  - every objective has `state_dict()` / `load_state_dict()` (empty when stateless): checkpoint it;
+  - `hasattr(obj, "calibrate")` (calibrated_clip): call it every `obj.calibrate_every` steps with
+    a high-precision shadow pass (see harness.objectives.calibrated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.objectives import calibrated, methods, nsr, opsd  # noqa: F401  (fill the registries)
+from harness.objectives.core import AGGREGATIONS, OBJECTIVES, Objective, ObjectiveOutput
+from harness.registry import build
+
+__all__ = ["AGGREGATIONS", "OBJECTIVES", "Objective", "ObjectiveOutput", "build_objective"]
+
+
+def build_objective(name: str, **kwargs: Any) -> Objective:
+    return build(OBJECTIVES, name, "objective", **kwargs)

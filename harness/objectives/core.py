@@ -1,0 +1,316 @@
+"""Shared parts of every policy objective: ratio → level → treatment → correction → aggregation.
+
+One token's loss is `base · sg(coef · w) · keep` (notes/methods.md; SNR post, Table 9):
+  base   the surrogate that carries the gradient: the PPO clip on r (gradient through r), or
+         −A·log π (CISPO form, gradient through log π)
+  coef   the detached coefficient of a CISPO-form treatment (clamp, band); 1 for the PPO clip
+  w      detached correction weights on a second ratio (TIS, IcePop, CIS); 1 when none
+  keep   0/1 rejection (MIS band, sign-agnostic band, DPPO-TV, STAPO)
+The ratios are the rows of Table 1 (harness.batch): trust = π_θ/π_old (row 1), ti = π_old/μ
+(row 3, pure engine noise β), folded = π_θ/μ (row 4). Levels: token, sequence (product) and
+geometric (length-normalised mean of log r, as GSPO and Geo-RS).
+
+Denominator convention (frameworks disagree, notes/frameworks.md §7): with
+`rejected_in_denominator=True` (default: TRL, slime, NeMo-RL, OpenRLHF) a rejected token adds 0
+to the numerator but still counts in the normaliser; with False (verl RS as read, STAPO) it
+leaves the normaliser too. Clipped tokens are never "rejected": they always count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from harness.batch import (
+    TokenBatch,
+    log_ratio_folded,
+    log_ratio_train_inference,
+    log_ratio_trust_region,
+)
+from harness.registry import check_kwargs, lookup, register
+
+OBJECTIVES: dict[str, Callable] = {}
+AGGREGATIONS: dict[str, Callable] = {}
+
+SAFETY = 20.0  # |log ratio| cap before exp (verl SAFETY_BOUND)
+CAP = 2.0  # the cap C of the `ratio/capped_mean` dial (Table 7), verl's default TIS threshold
+RATIOS = ("trust", "ti", "folded")
+LEVELS = ("token", "sequence", "geometric")
+
+
+def choice(name: str, value: Any, options: tuple[Any, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name}={value!r}; valid: {', '.join(map(repr, options))}")
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: Tensor  # scalar, with grad
+    metrics: dict[str, float]
+
+
+class Objective:
+    """Base: `inputs` says what `__call__` takes; state is empty unless a subclass holds some."""
+
+    inputs = "logp"  # obj(logp, batch); "logits" for opsd_fkl: obj(student, teacher, mask)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise KeyError(f"{type(self).__name__} is stateless; got keys {sorted(state)}")
+
+
+# --- ratios and levels -------------------------------------------------------------------------
+
+
+def log_ratio(logp: Tensor, batch: TokenBatch, ratio: str) -> Tensor:
+    """Table 1 rows 1/3/4 in log space; padding and non-finite entries read 0 (ratio 1, as CIS)."""
+    if ratio == "trust":
+        x = log_ratio_trust_region(logp, batch.logp_old)
+    elif ratio == "ti":
+        x = log_ratio_train_inference(batch.logp_old, batch.logp_mu)
+    else:
+        x = log_ratio_folded(logp, batch.logp_mu)
+    return torch.where((batch.mask > 0) & torch.isfinite(x), x, 0.0).clamp(-SAFETY, SAFETY)
+
+
+def at_level(log_r: Tensor, mask: Tensor, level: str) -> Tensor:
+    """token: log r_t; sequence: Σ_t log r_t (product); geometric: mean_t log r_t (GSPO, Geo-RS)."""
+    if level == "token":
+        return log_r
+    s = (log_r * mask).sum(-1, keepdim=True)
+    if level == "geometric":
+        s = s / mask.sum(-1, keepdim=True).clamp_min(1.0)
+    return s.clamp(-SAFETY, SAFETY).expand_as(log_r)
+
+
+def clamp(x: Tensor, lo: float | Tensor, hi: float | Tensor) -> Tensor:
+    """clip(x, lo, hi) for float or per-token bounds."""
+    return x.clamp(torch.as_tensor(lo).to(x), torch.as_tensor(hi).to(x))
+
+
+# --- surrogates and treatments -----------------------------------------------------------------
+
+
+def ppo_clip_loss(
+    ratio: Tensor, adv: Tensor, lo: float | Tensor, hi: float | Tensor, c: float | None = None
+) -> Tensor:
+    """PPO/DAPO: max(−A r, −A clip(r, lo, hi)); dual-clip min(·, −c A) on A < 0 (Ye et al. 2020)."""
+    loss = torch.maximum(-adv * ratio, -adv * clamp(ratio, lo, hi))
+    if c is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -c * adv), loss)
+    return loss
+
+
+def clip_flags(
+    ratio: Tensor, adv: Tensor, lo: float | Tensor, hi: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """Where the sign-conditioned clip zeroes the gradient: (A < 0, r < lo) and (A > 0, r > hi)."""
+    return (adv < 0) & (ratio < lo), (adv > 0) & (ratio > hi)
+
+
+@dataclass(frozen=True)
+class Term:
+    """The policy term of a grid point: which ratio, at which level, which treatment, bounds.
+
+    treatment: clip  PPO sign-conditioned clip to [lo, hi], gradient through r; c = dual-clip
+               clamp CISPO: −sg(clip(r^λ, lo, hi))·A·log π (λ < 1 shrinks, SNR post)
+               band  sign-agnostic mask: −sg(r^λ)·1[lo ≤ r^λ ≤ hi]·A·log π (Kimi K2.5, GLM-5,
+                     SAO); i.e. a mask of the log-ratio on [log lo, log hi] when λ = 1
+    """
+
+    ratio: str = "trust"
+    level: str = "token"
+    treatment: str = "clip"
+    lo: float = 0.8
+    hi: float = 1.28
+    c: float | None = None
+    lam: float = 1.0
+
+    def __post_init__(self) -> None:
+        choice("ratio", self.ratio, ("trust", "folded"))  # the policy ratio must carry grad
+        choice("level", self.level, LEVELS)
+        choice("treatment", self.treatment, ("clip", "clamp", "band"))
+
+
+class Step(NamedTuple):
+    base: Tensor  # per-token surrogate with grad
+    coef: Tensor  # detached CISPO-form coefficient (1 for the PPO clip)
+    keep: Tensor  # 0/1 float
+    low: Tensor  # bool: lower bound binds
+    high: Tensor  # bool: upper bound binds
+    flip: Tensor  # float: NSR decisions flipped (expected value in deterministic mode)
+
+
+def policy_step(
+    term: Term,
+    logp: Tensor,
+    batch: TokenBatch,
+    lam: float | Tensor,
+    lo: float | Tensor,
+    hi: float | Tensor,
+) -> Step:
+    """Apply `term`'s treatment to its ratio; bounds are passed in so subclasses can calibrate."""
+    log_r = at_level(log_ratio(logp, batch, term.ratio), batch.mask, term.level)
+    adv = batch.advantages
+    ones, zeros = torch.ones_like(adv), torch.zeros_like(adv)
+    if term.treatment == "clip":
+        r = log_r.exp()
+        low, high = clip_flags(r.detach(), adv, lo, hi)
+        return Step(ppo_clip_loss(r, adv, lo, hi, term.c), ones, ones, low, high, zeros)
+    coef = (lam * log_r.detach()).exp()
+    base = -adv * logp
+    if term.treatment == "clamp":
+        return Step(base, clamp(coef, lo, hi), ones, coef < lo, coef > hi, zeros)
+    keep = ((coef >= lo) & (coef <= hi)).to(adv)
+    return Step(base, coef, keep, zeros.bool(), zeros.bool(), zeros)
+
+
+# --- corrections: (logp, batch) -> (detached weight, keep) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class RatioCorrection:
+    """TIS (clamp, lo=0: min(ρ, C)), MIS/RS (mask: keep 1[lo ≤ ρ ≤ hi]), IcePop (pop: ρ·1[…])."""
+
+    ratio: str = "ti"
+    level: str = "token"
+    treatment: str = "clamp"
+    lo: float = 0.0
+    hi: float = 2.0
+
+    def __post_init__(self) -> None:
+        choice("correction ratio", self.ratio, RATIOS)
+        choice("correction level", self.level, LEVELS)
+        choice("correction treatment", self.treatment, ("clamp", "mask", "pop"))
+
+    def __call__(self, logp: Tensor, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+        rho = at_level(log_ratio(logp.detach(), batch, self.ratio), batch.mask, self.level).exp()
+        if self.treatment == "clamp":
+            return clamp(rho, self.lo, self.hi), torch.ones_like(rho)
+        inside = ((rho >= self.lo) & (rho <= self.hi)).to(rho)
+        return (rho if self.treatment == "pop" else torch.ones_like(rho)), inside
+
+
+# --- aggregation ---------------------------------------------------------------------------------
+# `loss` is already zero outside the kept tokens; `den` is the 0/1 mask of counted tokens.
+
+
+def n_sequences(den: Tensor) -> Tensor:
+    return (den.sum(-1) > 0).sum().clamp_min(1)
+
+
+@register(AGGREGATIONS, "token-mean")
+def token_mean(loss: Tensor, den: Tensor) -> Tensor:
+    """DAPO token-mean: Σ_{i,t} ℓ / Σ_{i,t} M (one global token count)."""
+    return loss.sum() / den.sum().clamp_min(1.0)
+
+
+@register(AGGREGATIONS, "seq-mean-token-mean")
+def seq_mean_token_mean(loss: Tensor, den: Tensor) -> Tensor:
+    """GRPO: mean over sequences of Σ_t ℓ / |y_i|."""
+    return (loss.sum(-1) / den.sum(-1).clamp_min(1.0)).sum() / n_sequences(den)
+
+
+@register(AGGREGATIONS, "seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(loss: Tensor, den: Tensor, norm_len: int | None = None) -> Tensor:
+    """Dr.GRPO: Σ_{i,t} ℓ / (B · L), constant L = norm_len (default: the padded length T)."""
+    return loss.sum() / (n_sequences(den) * (norm_len or loss.shape[-1]))
+
+
+def aggregator(name: str, norm_len: int | None) -> Callable[[Tensor, Tensor], Tensor]:
+    fn = lookup(AGGREGATIONS, name, "aggregation")
+    if norm_len is None:
+        return fn
+    check_kwargs(fn, {"norm_len": norm_len}, f"aggregation {name!r}")
+    return partial(fn, norm_len=norm_len)
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+def ess(w: Tensor, m: Tensor) -> Tensor:
+    """Normalised effective sample size (Σw)² / (N Σw²) ∈ (0, 1] over m (Table 7; verl)."""
+    return (w * m).sum() ** 2 / (m.sum() * (w * w * m).sum()).clamp_min(1e-30)
+
+
+@torch.no_grad()
+def policy_metrics(
+    batch: TokenBatch, weight: Tensor, keep: Tensor, low: Tensor, high: Tensor, flip: Tensor
+) -> dict[str, float]:
+    """The namespaced metrics every policy objective returns (issue 4).
+
+    clip/* and mask/* and rescue/* are fractions of response tokens; is/* describe the applied
+    detached weight sg(coef · w) over kept tokens (is/ess_seq on per-sequence mean weights);
+    ratio/* and kl/* are the μ-vs-π_old dials on ρ = π_old/μ (kl/k1 = E[−log ρ], k3 = E[ρ−1−log ρ]).
+    """
+    m = batch.mask
+    n = m.sum().clamp_min(1.0)
+    log_rho = log_ratio(batch.logp_old, batch, "ti")
+    rho = log_rho.exp()
+    k = m * keep
+    per_seq = k.sum(-1)
+    w_seq = (weight * k).sum(-1) / per_seq.clamp_min(1.0)
+    vals = {
+        "clip/frac_low": (low * m).sum() / n,
+        "clip/frac_high": (high * m).sum() / n,
+        "mask/frac": ((1 - keep) * m).sum() / n,
+        "rescue/frac": (flip * m).sum() / n,
+        "is/weight_mean": (weight * k).sum() / k.sum().clamp_min(1.0),
+        "is/weight_max": weight.masked_fill(k == 0, -math.inf).max(),
+        "is/weight_min": weight.masked_fill(k == 0, math.inf).min(),
+        "is/ess": ess(weight, k),
+        "is/ess_seq": ess(w_seq, (per_seq > 0).to(w_seq)),
+        "ratio/uncapped_mean": (rho * m).sum() / n,
+        "ratio/capped_mean": (rho.clamp(max=CAP) * m).sum() / n,
+        "kl/k1": (-log_rho * m).sum() / n,
+        "kl/k3": ((rho - 1 - log_rho) * m).sum() / n,
+    }
+    return dict(zip(vals, torch.stack([v.float() for v in vals.values()]).tolist()))
+
+
+# --- the composed objective ----------------------------------------------------------------------
+
+
+class PolicyObjective(Objective):
+    """obj(logp, batch) -> ObjectiveOutput for one grid point: policy term × corrections."""
+
+    def __init__(
+        self,
+        policy: Term,
+        corrections: tuple[Callable[[Tensor, TokenBatch], tuple[Tensor, Tensor]], ...] = (),
+        *,
+        aggregation: str = "token-mean",
+        rejected_in_denominator: bool = True,
+        norm_len: int | None = None,
+    ) -> None:
+        self.policy = policy
+        self.corrections = corrections
+        self.aggregate = aggregator(aggregation, norm_len)
+        self.rejected_in_denominator = rejected_in_denominator
+
+    def bounds(self, batch: TokenBatch) -> tuple[Any, Any, Any]:
+        """(λ, lo, hi) of the policy treatment; calibrated objectives override this."""
+        return self.policy.lam, self.policy.lo, self.policy.hi
+
+    def step(self, logp: Tensor, batch: TokenBatch) -> Step:
+        return policy_step(self.policy, logp, batch, *self.bounds(batch))
+
+    def __call__(self, logp: Tensor, batch: TokenBatch) -> ObjectiveOutput:
+        s = self.step(logp, batch)
+        weight, keep = s.coef, s.keep
+        for correction in self.corrections:
+            w, k = correction(logp, batch)
+            weight, keep = weight * w, keep * k
+        num = batch.mask * keep
+        den = batch.mask if self.rejected_in_denominator else num
+        loss = self.aggregate(torch.where(num > 0, s.base * weight.detach(), 0.0), den)
+        return ObjectiveOutput(loss, policy_metrics(batch, weight, keep, s.low, s.high, s.flip))

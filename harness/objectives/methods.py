@@ -1,0 +1,387 @@
+"""Named methods of the grid (issue 4), each a few parts of `core`; `grid` composes new points.
+
+Windows of clip methods are given as eps_low/eps_high around 1; bands of mask/clamp methods as
+absolute lo/hi. Every builder also takes aggregation / rejected_in_denominator / norm_len
+(see `core`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from harness.batch import TokenBatch
+from harness.objectives.core import (
+    OBJECTIVES,
+    PolicyObjective,
+    RatioCorrection,
+    Term,
+    choice,
+)
+from harness.registry import register
+
+CLIP_BASES = {"ppo_clip": ("token", 0.2, 0.28), "gspo": ("geometric", 3e-4, 4e-4)}
+SNR_EDGES = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)  # methods.md §2.3 (DERIVED)
+
+
+def clip_term(
+    base: str, eps_low: float | None, eps_high: float | None, c: float | None = None
+) -> Term:
+    """ppo_clip (token, DAPO 0.2/0.28) or gspo (geometric, 3e-4/4e-4); None → the base default."""
+    choice("base", base, tuple(CLIP_BASES))
+    level, d_low, d_high = CLIP_BASES[base]
+    eps_low = d_low if eps_low is None else eps_low
+    eps_high = d_high if eps_high is None else eps_high
+    return Term("trust", level, "clip", 1 - eps_low, 1 + eps_high, c)
+
+
+def trainer_prob(batch: TokenBatch) -> Tensor:
+    """p_t = π_old(y_t), the trainer probability of the sampled token."""
+    return batch.p_t if batch.p_t is not None else batch.logp_old.exp()
+
+
+@register(OBJECTIVES, "ppo_clip")
+def ppo_clip(
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    c: float | None = None,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """PPO clip (Schulman 2017); DAPO clip-higher when eps_high ≠ eps_low; dual-clip c on A < 0."""
+    return PolicyObjective(
+        clip_term("ppo_clip", eps_low, eps_high, c),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+@register(OBJECTIVES, "gspo")
+def gspo(
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    aggregation: str = "seq-mean-token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """GSPO (2507.18071): clip s_i = exp(mean_t log r_t), one ratio per sequence (verl's agg)."""
+    return PolicyObjective(
+        clip_term("gspo", eps_low, eps_high),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+@register(OBJECTIVES, "tis")
+def tis(
+    *,
+    cap: float = 2.0,
+    level: str = "token",
+    base: str = "ppo_clip",
+    eps_low: float | None = None,
+    eps_high: float | None = None,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """TIS (Flash-RL): sg(min(ρ, C)) × base surrogate, ρ = π_old/μ at token/sequence/geometric."""
+    return PolicyObjective(
+        clip_term(base, eps_low, eps_high),
+        (RatioCorrection("ti", level, "clamp", 0.0, cap),),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+@register(OBJECTIVES, "mis")
+def mis(
+    *,
+    ratio: str = "ti",
+    level: str = "token",
+    lo: float = 0.5,
+    hi: float = 2.0,
+    reweight: bool = False,
+    base: str = "ppo_clip",
+    eps_low: float | None = None,
+    eps_high: float | None = None,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """MIS rejection band: keep 1[lo ≤ ρ ≤ hi] on π_old/μ or sg(π_θ/μ); reweight: IcePop ρ·1[…]."""
+    return PolicyObjective(
+        clip_term(base, eps_low, eps_high),
+        (RatioCorrection(ratio, level, "pop" if reweight else "mask", lo, hi),),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+@register(OBJECTIVES, "cispo")
+def cispo(
+    *,
+    ratio: str = "trust",
+    lo: float = 0.0,
+    hi: float = 5.0,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """CISPO (MiniMax-M1 eq. 4): −sg(clip(r, lo, hi))·A·log π; default one-sided cap 5 (ScaleRL)."""
+    return PolicyObjective(
+        Term(ratio, "token", "clamp", lo, hi),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+@register(OBJECTIVES, "band")
+def band(
+    *,
+    ratio: str = "folded",
+    lo: float = 0.7,
+    hi: float = 6.0,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """Sign-agnostic band (Kimi K2.5 Eq. 1, GLM-5 DIS, SAO): −sg(r)·1[lo ≤ r ≤ hi]·A·log π."""
+    return PolicyObjective(
+        Term(ratio, "token", "band", lo, hi),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+@dataclass(frozen=True)
+class TVMask:
+    """DPPO Binary-TV (2602.04879; verl dppo_tv): keep A > 0: p − p_ref ≤ δ_h, else ≥ −δ_l."""
+
+    ratio: str = "folded"  # folded: p_ref = μ (prime-rl); trust: p_ref = π_old (verl)
+    delta_low: float = 0.2
+    delta_high: float = 0.2
+    two_sided: bool = False  # |p − p_ref| band regardless of sign (prime-rl `ipo`)
+
+    def __call__(self, logp: Tensor, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+        ref = batch.logp_mu if self.ratio == "folded" else batch.logp_old
+        dp = logp.detach().exp() - ref.exp()
+        up_ok, down_ok = dp <= self.delta_high, dp >= -self.delta_low
+        if self.two_sided:
+            keep = up_ok & down_ok
+        else:
+            keep = torch.where(batch.advantages > 0, up_ok, down_ok)
+        return torch.ones_like(dp), keep.to(dp)
+
+
+@register(OBJECTIVES, "dppo_tv")
+def dppo_tv(
+    *,
+    ratio: str = "folded",
+    delta_low: float = 0.2,
+    delta_high: float = 0.2,
+    two_sided: bool = False,
+    c: float | None = None,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """DPPO-TV: −sg(min(r, c))·A·log π, masked on the probability gap to μ (or π_old)."""
+    choice("ratio", ratio, ("folded", "trust"))
+    return PolicyObjective(
+        Term(ratio, "token", "clamp", 0.0, math.inf if c is None else c),
+        (TVMask(ratio, delta_low, delta_high, two_sided),),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+def cis_weight(logp_old: Tensor, logp_mu: Tensor, p: Tensor, lam: float, kappa: float) -> Tensor:
+    """CIS (2609.32444, CIS-RL Alg. 1): f = min(k, 1 + λ·max(1 − p, κ)), k = p/q; non-finite → 1."""
+    log_k = logp_old - logp_mu
+    k = torch.where(torch.isfinite(log_k), log_k.exp(), 1.0)
+    return torch.minimum(k, 1 + lam * (1 - p).clamp_min(kappa))
+
+
+@dataclass(frozen=True)
+class CISWeight:
+    lam: float = 2.3
+    kappa: float = 5e-3
+
+    def __call__(self, logp: Tensor, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+        f = cis_weight(batch.logp_old, batch.logp_mu, trainer_prob(batch), self.lam, self.kappa)
+        return f, torch.ones_like(f)
+
+
+@register(OBJECTIVES, "cis")
+def cis(
+    *,
+    lam: float = 2.3,
+    kappa: float = 5e-3,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """CIS: f_t × decoupled PPO loss (clip 0.2/0.28 on π_θ/π_old), upper-side cap only."""
+    return PolicyObjective(
+        clip_term("ppo_clip", eps_low, eps_high),
+        (CISWeight(lam, kappa),),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+def s2t_keep(
+    adv: Tensor, p: Tensor, entropy: Tensor, mask: Tensor, tau_p: float, q: float
+) -> Tensor:
+    """STAPO S2T (2602.15620): drop A>0 ∧ p<τ_p ∧ H<τ_h, τ_h = q-quantile of H on {A>0, p<τ_p}."""
+    cand = (mask > 0) & (adv > 0) & (p < tau_p)
+    if not cand.any():
+        return torch.ones_like(adv)
+    tau_h = torch.quantile(entropy[cand].float(), q)
+    return (~(cand & (entropy < tau_h))).to(adv)
+
+
+@dataclass(frozen=True)
+class S2TMask:
+    tau_p: float = 0.002
+    q: float = 0.75
+
+    def __call__(self, logp: Tensor, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+        if batch.entropy is None:
+            raise ValueError("stapo needs TokenBatch.entropy")
+        p = trainer_prob(batch)
+        keep = s2t_keep(batch.advantages, p, batch.entropy, batch.mask, self.tau_p, self.q)
+        return torch.ones_like(keep), keep
+
+
+@register(OBJECTIVES, "stapo")
+def stapo(
+    *,
+    tau_p: float = 0.002,
+    q: float = 0.75,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = False,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """STAPO: DAPO clip loss with spurious tokens masked, normalised by Σ I (rejected leave)."""
+    return PolicyObjective(
+        clip_term("ppo_clip", eps_low, eps_high),
+        (S2TMask(tau_p, q),),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+def per_bin(x: float | Sequence[float], n_bins: int) -> Tensor:
+    t = torch.as_tensor(x, dtype=torch.float32).flatten()
+    if t.numel() not in (1, n_bins):
+        raise ValueError(f"expected a scalar or {n_bins} per-bin values, got {t.numel()}")
+    return t.expand(n_bins).clone()
+
+
+class SNRShrink(PolicyObjective):
+    """SNR post (methods.md §2.3, DERIVED): w = clip(r^λ_b, l_b, u_b) per bin b of p_t, clamp-style.
+
+    State (lam, lower, upper, one value per bin) is what the measurement procedure fills: pass
+    them as kwargs or `load_state_dict` them.
+    """
+
+    def __init__(
+        self, ratio: str, edges: Sequence[float], lam: Any, lower: Any, upper: Any, **agg: Any
+    ) -> None:
+        super().__init__(Term(ratio, "token", "clamp"), **agg)
+        self.edges = torch.as_tensor(edges, dtype=torch.float32)
+        n_bins = len(edges) - 1
+        self.lam, self.lower, self.upper = (per_bin(x, n_bins) for x in (lam, lower, upper))
+
+    def bounds(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
+        p = trainer_prob(batch)
+        b = torch.bucketize(p, self.edges[1:-1].to(p), right=True)  # bins [e_i, e_{i+1})
+        return self.lam.to(p)[b], self.lower.to(p)[b], self.upper.to(p)[b]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lam": self.lam.clone(), "lower": self.lower.clone(), "upper": self.upper.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        n_bins = len(self.edges) - 1
+        self.lam, self.lower, self.upper = (
+            per_bin(state[k], n_bins) for k in ("lam", "lower", "upper")
+        )
+
+
+@register(OBJECTIVES, "snr_shrink")
+def snr_shrink(
+    *,
+    ratio: str = "folded",
+    edges: Sequence[float] = SNR_EDGES,
+    lam: float | Sequence[float] = 0.85,
+    lower: float | Sequence[float] = 0.5,
+    upper: float | Sequence[float] = 2.0,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> SNRShrink:
+    """SNR shrink: −sg(clip(r^λ_b, l_b, u_b))·A·log π; defaults λ = 0.85 (Table 6), [0.5, 2]."""
+    return SNRShrink(
+        ratio,
+        edges,
+        lam,
+        lower,
+        upper,
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )
+
+
+@register(OBJECTIVES, "grid")
+def grid(
+    *,
+    ratio: str = "trust",
+    level: str = "token",
+    treatment: str = "clip",
+    lo: float = 0.8,
+    hi: float = 1.28,
+    c: float | None = None,
+    lam: float = 1.0,
+    is_ratio: str | None = None,
+    is_level: str = "token",
+    is_treatment: str = "clamp",
+    is_lo: float = 0.0,
+    is_hi: float = 2.0,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+) -> PolicyObjective:
+    """Any Table 9 point from config: a policy Term, optionally × one RatioCorrection (is_*)."""
+    corrections = ()
+    if is_ratio is not None:
+        corrections = (RatioCorrection(is_ratio, is_level, is_treatment, is_lo, is_hi),)
+    return PolicyObjective(
+        Term(ratio, level, treatment, lo, hi, c, lam),
+        corrections,
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+    )

@@ -1,0 +1,101 @@
+"""OPSD pointwise-clipped forward KL (arXiv 2609.38995 §2; notes/methods.md §4, FOUND).
+
+Unlike the policy objectives this one takes logits, so its call signature differs:
+
+    obj = build_objective("opsd_fkl", top_k=128, temperature=1.1, tau=0.05)  # inputs "logits"
+    out = obj(student_logits, teacher_logits, mask)  # [B, T, V], [B, T, V] (frozen), [B, T]
+    out = obj(student_logits, teacher_topk, mask, teacher_ids=ids)  # an engine's top-k capture
+
+With `teacher_ids` [B, T, k], `teacher_logits` are the teacher's logits (or log-probs: the
+renormalisation removes the shift) on those ids, and S_t = the ids. Otherwise S_t = the
+teacher's top-k tokens (top_k None: full vocabulary). Both distributions are
+renormalised on S_t at temperature T; d_i = p_i log(p_i/q_i); the loss is the token mean of
+Σ_{S_t} min(d_i, τ) (τ = None: exact forward KL). Prop. 1: on clipped entries (d_i > τ) the
+clipped objective's logit gradient P_A·q_i has the opposite sign to the exact q_i − p_i.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from harness.batch import masked_mean
+from harness.objectives.core import OBJECTIVES, Objective, ObjectiveOutput
+from harness.registry import register
+
+
+def opsd_pointwise(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    top_k: int | None,
+    temperature: float,
+    teacher_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(d, p): d_i = p_i log(p_i/q_i) on the teacher's top-k support renormalised at T."""
+    a = teacher_logits.detach()
+    b = student_logits
+    if teacher_ids is None and top_k is not None and top_k < a.shape[-1]:
+        a, teacher_ids = a.topk(top_k, dim=-1)
+    if teacher_ids is not None:
+        b = b.gather(-1, teacher_ids)
+    log_p = F.log_softmax(a.float() / temperature, dim=-1)
+    log_q = F.log_softmax(b.float() / temperature, dim=-1)
+    p = log_p.exp()
+    return p * (log_p - log_q), p
+
+
+def opsd_fkl_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor,
+    top_k: int | None = 128,
+    temperature: float = 1.1,
+    tau: float | None = 0.05,
+    teacher_ids: Tensor | None = None,
+) -> ObjectiveOutput:
+    """OPSD loss: mean_t Σ_{S_t} min(d_i, τ) (Eq. D_clip), or the exact D_FKL when τ is None."""
+    d, p = opsd_pointwise(student_logits, teacher_logits, top_k, temperature, teacher_ids)
+    per_pos = d.sum(-1) if tau is None else d.clamp(max=tau).sum(-1)
+    with torch.no_grad():
+        clipped = (d > tau) if tau is not None else torch.zeros_like(d, dtype=torch.bool)
+        metrics = {
+            "opsd/fkl": masked_mean(d.sum(-1), mask),
+            "opsd/clip_frac": masked_mean(clipped.float().mean(-1), mask),
+            "opsd/clipped_mass": masked_mean((p * clipped).sum(-1), mask),
+        }
+    return ObjectiveOutput(masked_mean(per_pos, mask), {k: float(v) for k, v in metrics.items()})
+
+
+class OPSDForwardKL(Objective):
+    """Stateless; obj(student_logits, teacher_logits, mask) -> ObjectiveOutput."""
+
+    inputs = "logits"
+
+    def __init__(self, top_k: int | None, temperature: float, tau: float | None) -> None:
+        self.top_k, self.temperature, self.tau = top_k, temperature, tau
+
+    def __call__(
+        self,
+        student_logits: Tensor,
+        teacher_logits: Tensor,
+        mask: Tensor,
+        teacher_ids: Tensor | None = None,
+    ) -> ObjectiveOutput:
+        return opsd_fkl_loss(
+            student_logits,
+            teacher_logits,
+            mask,
+            self.top_k,
+            self.temperature,
+            self.tau,
+            teacher_ids,
+        )
+
+
+@register(OBJECTIVES, "opsd_fkl")
+def opsd_fkl(
+    *, top_k: int | None = 128, temperature: float = 1.1, tau: float | None = 0.05
+) -> OPSDForwardKL:
+    """OPSD forward KL on the teacher's top-k at T, pointwise clipped at τ (None: exact FKL)."""
+    return OPSDForwardKL(top_k, temperature, tau)
