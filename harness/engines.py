@@ -8,6 +8,7 @@ replay). As the *trainer* π it re-scores sequences in chunks of positions (`sco
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from tqdm.auto import trange
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from harness.logprobs import DEFAULT_CHUNK, chunked_stats, process_logits, support_mask
+from harness.noise import NoiseModel, RoutingNoise, RoutingReplay, forward_context, prefix_hash
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Rollout:
     support: Tensor | None  # [B, T, K] kept token ids (−1 padded); None when nothing truncated
     prompt_index: Tensor  # [B] index of the prompt each row answers
     temperature: float = 1.0
+    routing: Tensor | None = None  # [B, S, n_moe_layers, k] experts the sampler chose (R3)
 
     @property
     def tokens(self) -> Tensor:
@@ -54,16 +57,28 @@ class Engine:
     """`model` is used as given (dtype, attention implementation, attached noise).
 
     kv_cache=False decodes by full recompute at every step (the `kv` natural difference).
+    `noise` models are attached to `model` for the engine's lifetime (`close()` detaches them);
+    every forward runs inside a determinism context keyed by the token prefix, so deterministic
+    noise is the same in prefill, KV-cache decode and re-scoring.
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        noise: Sequence[NoiseModel] = (),
         kv_cache: bool = True,
         chunk: int = DEFAULT_CHUNK,
     ):
         self.model = model
+        self.noise: list[NoiseModel] = []
+        for n in noise:  # attach in order; on failure detach what was attached, in reverse
+            try:
+                n.attach(model)
+            except BaseException:
+                self.close()
+                raise
+            self.noise.append(n)
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
         self.chunk = chunk
@@ -94,15 +109,24 @@ class Engine:
 
     # --- sampler ---------------------------------------------------------------------------
 
-    def _next_logits(self, ids, attn, cache) -> Tensor:
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn if cache is None else attn,
-            position_ids=position_ids(attn)[:, -ids.shape[1] :],
-            cache=cache,
-            use_cache=cache is not None,
-            logits_to_keep=1,
-        )
+    def close(self) -> None:
+        """Detach the noise models (reverse order): the model is bit-identical to before."""
+        while self.noise:
+            self.noise.pop().detach()
+
+    def _noise_of(self, kind: type) -> NoiseModel | None:
+        return next((n for n in self.noise if isinstance(n, kind)), None)
+
+    def _next_logits(self, ids, attn, cache, hash_BxS) -> Tensor:
+        with forward_context(hash_BxS):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=position_ids(attn)[:, -ids.shape[1] :],
+                cache=cache,
+                use_cache=cache is not None,
+                logits_to_keep=1,
+            )
         return out.logits[:, -1].float()
 
     @torch.no_grad()
@@ -134,8 +158,9 @@ class Engine:
         cache = DynamicCache() if self.kv_cache else None
         done = torch.zeros(B, dtype=torch.bool)
         toks, mus, raws, masks, sups = [], [], [], [], []
-        logits = self._next_logits(ids, attn, cache)
-        for _ in trange(max_new_tokens, desc="sampling", disable=not progress, leave=False):
+        h = prefix_hash(ids, attn)
+        logits = self._next_logits(ids, attn, cache, h)
+        for step in trange(max_new_tokens, desc="sampling", disable=not progress, leave=False):
             logp = process_logits(logits, temperature, top_k, top_p)
             tok = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
             tok = torch.where(done, self.pad_id, tok)
@@ -148,11 +173,16 @@ class Engine:
                 val, idx = torch.topk(logp, k, dim=-1)
                 sups.append(torch.where(torch.isfinite(val), idx, -1))
             done = done | torch.isin(tok, self.eos_ids)
-            if bool(done.all()):
+            if bool(done.all()) or step == max_new_tokens - 1:
                 break
             attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype)], 1)
             ids = torch.cat([ids, tok[:, None]], 1)
-            logits = self._next_logits(tok[:, None] if cache is not None else ids, attn, cache)
+            if cache is not None:
+                h = prefix_hash(tok[:, None], prev=h[:, -1])
+                logits = self._next_logits(tok[:, None], attn, cache, h)
+            else:
+                h = prefix_hash(ids, attn)
+                logits = self._next_logits(ids, attn, cache, h)
         mask = torch.stack(masks, 1).float()
         support = None
         if truncated:
@@ -171,18 +201,19 @@ class Engine:
             support=support,
             prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
             temperature=temperature,
+            routing=router.take_record() if (router := self._noise_of(RoutingNoise)) else None,
         )
 
     # --- trainer ---------------------------------------------------------------------------
 
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor, n_prompt: int) -> Tensor:
         """Final-norm hidden states at the positions predicting tokens[:, n_prompt:]: [B, T, H]."""
-        base = self.model.get_decoder()
-        h = base(
-            input_ids=tokens,
-            attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
-        ).last_hidden_state
+        with forward_context(prefix_hash(tokens, attention_mask)):
+            h = self.model.get_decoder()(
+                input_ids=tokens,
+                attention_mask=attention_mask,
+                position_ids=position_ids(attention_mask),
+            ).last_hidden_state
         return h[:, n_prompt - 1 : -1]
 
     @torch.no_grad()
@@ -193,13 +224,18 @@ class Engine:
         n_prompt: int,
         temperature: float = 1.0,
         support: Tensor | None = None,
+        routing: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """Per response token ([B, T], T = tokens.shape[1] − n_prompt): `logp`, `entropy`, `p_t`,
         `p_sq_sum`, under the law softmax(z/T), restricted to `support` when given (mask replay).
 
-        The fp32 log-softmax is computed `chunk` positions at a time."""
+        The fp32 log-softmax is computed `chunk` positions at a time. `routing` (the sampler's
+        record) is replayed when this engine has a `replay` noise model (R3)."""
         if not 0 < n_prompt < tokens.shape[1]:
             raise ValueError(f"n_prompt={n_prompt} must be in (0, {tokens.shape[1]})")
+        replay = self._noise_of(RoutingReplay)
+        if replay is not None and routing is not None:
+            replay.set_indices(routing)
         h = self.hidden_states(tokens, attention_mask, n_prompt)
         B, T, H = h.shape
         targets = tokens[:, n_prompt:].reshape(-1)
@@ -214,6 +250,7 @@ class Engine:
             temperature,
             keep,
             self.chunk,
+            hash_N=prefix_hash(tokens, attention_mask)[:, n_prompt - 1 : -1].reshape(-1),
         )
         return {k: v.view(B, T) for k, v in stats.items()}
 
@@ -224,13 +261,20 @@ class Engine:
             ro.n_prompt,
             ro.temperature,
             ro.support if mask_replay else None,
+            ro.routing,
         )
 
-    @torch.no_grad()
     def load_weights_from(self, source: torch.nn.Module) -> None:
         """Weight sync: copy the trainer's parameters into this engine's model (casting dtype)."""
-        own = dict(self.model.named_parameters())
-        for name, p in source.named_parameters():
-            if name not in own:
-                raise KeyError(f"weight sync: {name} missing in the sampler model")
-            own[name].copy_(p)
+        self.load_weights_from_state(dict(source.named_parameters()))
+
+    @torch.no_grad()
+    def load_weights_from_state(self, state: dict[str, Tensor]) -> None:
+        """Weight sync from a state dict (e.g. a version k steps old, for staleness); noise
+        models then refresh (FP8 re-quantises the new weights)."""
+        for name, p in self.model.named_parameters():
+            if name not in state:
+                raise KeyError(f"weight sync: parameter {name} missing from the source weights")
+            p.copy_(state[name])
+        for n in self.noise:
+            n.on_weight_sync()

@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from harness.noise.context import forward_context
+
 DEFAULT_CHUNK = 1024  # positions per chunk: 1024 × 49,152 fp32 logits ≈ 200 MB
 
 
@@ -117,13 +119,20 @@ def chunked_stats(
     temperature: float = 1.0,
     keep: Tensor | None = None,
     chunk: int = DEFAULT_CHUNK,
+    hash_N: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per position: logp of the target, p_t, entropy and Σ_j p_j² of the (processed) next-token
-    law. Calls the `lm_head` module per chunk so that hooks on it (logit noise) fire."""
+    law. Calls the `lm_head` module per chunk so that hooks on it (logit noise) fire, inside a
+    determinism context built from the positions' prefix hashes `hash_N` when given."""
     n = hidden.shape[0]
     out = {k: torch.empty(n, dtype=torch.float32) for k in ("logp", "entropy", "p_sq_sum")}
     for s in range(0, n, chunk):
-        z = lm_head(hidden[s : s + chunk]).float() / temperature
+        if hash_N is None:
+            z = lm_head(hidden[s : s + chunk])
+        else:
+            with forward_context(hash_N[s : s + chunk][None]):
+                z = lm_head(hidden[s : s + chunk][None])[0]
+        z = z.float() / temperature
         if keep is not None:
             z = z.masked_fill(~keep[s : s + chunk], float("-inf"))
         logp_all = F.log_softmax(z, -1)

@@ -1,0 +1,126 @@
+"""Overhead of the noise models: noisy forward / clean forward on SmolLM2-135M (fp32, CPU).
+
+Medians over interleaved repeats (every config once per round, so machine load hits all alike).
+Prefill = one forward over [B, S]; decode = one KV-cache step [B, 1] after that prefill.
+Goals (issue 3): `layer` on every layer ≤ 1.15×, FP8 weight-only ≈ 1.0× after the one-time
+quantisation, routing ≤ 1.10× (on the upcycled MoE, against the clean MoE).
+
+    .venv/bin/python benchmarks/bench_noise.py [--batch 4 --seq 128 --repeats 7 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from harness.models import load_model, upcycle_to_moe
+from harness.noise import build_noise, forward_context, prefix_hash
+
+
+def timed_forward(model, x, noise, decode: bool) -> float:
+    h = prefix_hash(x)
+    if noise is not None:
+        noise.attach(model)
+    try:
+        with torch.no_grad():
+            if not decode:
+                t = time.perf_counter()
+                with forward_context(h):
+                    model(x)
+                return time.perf_counter() - t
+            cache = DynamicCache()
+            with forward_context(h[:, :-1]):
+                model(x[:, :-1], cache=cache, use_cache=True)
+            t = time.perf_counter()
+            with forward_context(h[:, -1:]):
+                model(x[:, -1:], cache=cache, use_cache=True)
+            return time.perf_counter() - t
+    finally:
+        if noise is not None:
+            if hasattr(noise, "take_record"):
+                noise.take_record()
+            noise.detach()
+
+
+def bench(model, x, configs: dict, repeats: int, decode: bool) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    timed_forward(model, x, None, decode)  # warm-up
+    for _ in range(repeats):
+        for name, make in configs.items():
+            times[name].append(timed_forward(model, x, make(), decode))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def report(title: str, med: dict[str, float], base: str) -> None:
+    print(f"\n{title}")
+    for k, v in med.items():
+        print(f"  {k:28s} {v * 1e3:9.1f} ms   {v / med[base]:5.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, _ = load_model("smollm2-135m")
+    x = torch.randint(100, 40000, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
+    print(f"SmolLM2-135M fp32, B={a.batch} S={a.seq}, {a.threads} threads, median of {a.repeats}")
+
+    fp8 = build_noise("fp8")
+    t = time.perf_counter()
+    fp8.attach(model)
+    print(f"FP8 weight quantisation at attach (once per weight sync): "
+          f"{time.perf_counter() - t:.2f} s")
+    fp8.detach()
+
+    dense = {
+        "clean": lambda: None,
+        "layer (all 30 layers)": lambda: build_noise("layer", sigma=2e-3),
+        "batch (all layers)": lambda: build_noise("batch", sigma=1e-3),
+        "logit gaussian": lambda: build_noise("logit", sigma=0.1),
+        "logit student-t nu=3": lambda: build_noise("logit", sigma=0.1, nu=3.0),
+        "layer fresh (not determ.)": lambda: build_noise("layer", sigma=2e-3,
+                                                         deterministic=False),
+    }
+    for decode in (False, True):
+        med = bench(model, x, dense, a.repeats, decode)
+        report(f"dense, {'decode step' if decode else 'prefill'}", med, "clean")
+
+    # FP8: weights quantised once, outside the timed region (a model kept attached)
+    for decode in (False, True):
+        med = {}
+        for name, kw in [("clean", None), ("fp8 weight-only tensor", {}),
+                         ("fp8 W8A8 block 128", dict(granularity="block", activations=True)),
+                         ("fp8 W8A8 row + KV", dict(granularity="row", activations=True,
+                                                    kv_cache=True))]:
+            noise = None if kw is None else build_noise("fp8", **kw)
+            if noise is not None:
+                noise.attach(model)
+            med[name] = bench(model, x, {"x": lambda: None}, a.repeats, decode)["x"]
+            if noise is not None:
+                noise.detach()
+        report(f"fp8 (attached once), {'decode step' if decode else 'prefill'}", med, "clean")
+
+    moe = upcycle_to_moe(model, n_experts=4, top_k=2, expert_jitter=0.02)
+    rec_noise = build_noise("routing", sigma=0.1)
+    with rec_noise.attached(moe), torch.no_grad():
+        moe(x)
+    rec = rec_noise.take_record()
+    routing = {
+        "clean MoE": lambda: None,
+        "routing sigma=0.1 + record": lambda: build_noise("routing", sigma=0.1),
+        "replay (R3)": lambda: build_noise("replay", indices=rec),
+    }
+    med = bench(moe, x, routing, a.repeats, decode=False)
+    report("upcycled SmolLM2 MoE (4 experts, top-2), prefill", med, "clean MoE")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""`logit`: additive noise on the final logits, Gaussian or heavy-tailed Student-t.
+
+To first order Δlog p_y = ε_y − Σ_j p_j ε_j, so Var(Δlog p_y) = σ²(1 − 2p_y + ‖p‖²) — the gate
+law: confident tokens are almost immune (notes/noise-models.md §3.1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from harness.noise.base import NoiseModel
+from harness.noise.context import current, hashed_student_t, mix64, mix_int
+
+_LOGIT_STREAM = 1_000_003
+
+
+class LogitNoise(NoiseModel):
+    """z ← z + σε, ε ~ N(0, 1) or, with `nu`, Student-t(ν) (scale σ; std σ√(ν/(ν−2)) for ν > 2)."""
+
+    def __init__(
+        self, sigma: float = 0.1, nu: float | None = None, seed: int = 0, deterministic: bool = True
+    ):
+        super().__init__(seed, deterministic)
+        if sigma < 0:
+            raise ValueError(f"logit noise: sigma must be >= 0, got {sigma}")
+        if nu is not None and nu <= 0:
+            raise ValueError(f"logit noise: nu (degrees of freedom) must be > 0, got {nu}")
+        self.sigma, self.nu = float(sigma), nu
+
+    def _attach(self, model: nn.Module) -> None:
+        head = model.get_output_embeddings()
+        if head is None:
+            raise ValueError(f"logit noise: {type(model).__name__} has no output embeddings")
+        self._hook(head, self._on_logits)
+
+    def _on_logits(self, module: nn.Module, args: tuple, z: Tensor) -> Tensor:
+        ctx = current()
+        if ctx is None:
+            raise RuntimeError("logit noise: no forward context; wrap the call in forward_context")
+        # logits_to_keep=k keeps the last k positions: key them by the last k prefix hashes
+        B, S, V = z.shape
+        h = ctx.hash_BxS[:, ctx.hash_BxS.shape[1] - S :].reshape(-1)
+        if h.numel() != B * S:
+            raise RuntimeError(
+                f"logit noise: context {tuple(ctx.hash_BxS.shape)} vs logits {tuple(z.shape)}"
+            )
+        if self.nu is None:
+            eps = self._normal(h, V, _LOGIT_STREAM)
+        elif self.deterministic:
+            eps = hashed_student_t(mix64(h ^ mix_int(self.seed, _LOGIT_STREAM)), V, self.nu)
+        else:
+            u1 = 1.0 - torch.rand(B * S, V, generator=self._gen)
+            u2 = torch.rand(B * S, V, generator=self._gen)
+            r = torch.sqrt(self.nu * (u1.pow(-2.0 / self.nu) - 1.0))
+            eps = (r * torch.cos((2.0 * math.pi) * u2)).to(z.device)
+        return (z.float() + self.sigma * eps.reshape(B, S, V)).to(z.dtype)
