@@ -1,0 +1,142 @@
+"""Repetition detector and exit-mass metrics of OPSD (arXiv 2609.38995, Table 2; methods.md §4).
+
+Definitions, for a response x_0..x_{n-1} and a period 2 ≤ ℓ ≤ 50:
+- periodic segment: a maximal x_s..x_e with x_t = x_{t−ℓ} for s+ℓ ≤ t ≤ e, length L = e−s+1 > ℓ;
+- repetition: ⌊L/ℓ⌋ ≥ 2;  mature: ⌊L/ℓ⌋ ≥ 3 and L ≥ 30;
+- terminal loop: a mature repetition that reaches the last token (e = n−1);
+- copy token c_t = x_{t−ℓ}; first copy: positions s+ℓ..s+2ℓ−1; exit mass 1 − p_{t,copy}.
+
+Detector (the paper's derived implementation): for each ℓ, a maximal run [a, b] of x_t = x_{t−ℓ}
+gives s = a−ℓ, e = b. Overlaps are resolved toward the smallest (primitive) period: a segment of
+period ℓ' lying inside a kept segment of a smaller period ℓ is dropped. (Inside an ℓ-repetition
+every multiple kℓ yields a segment within [s, e], never beyond it; a longer-period loop that merely
+contains a short inner repetition is kept, as a distinct repetition.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+MIN_PERIOD, MAX_PERIOD = 2, 50
+MATURE_COPIES, MATURE_LENGTH = 3, 30
+
+
+def periodic_segments(tokens: Sequence[int], period: int) -> list[tuple[int, int]]:
+    """Maximal periodic segments (s, e) of one period: runs [a, b] of x_t = x_{t−ℓ} → (a−ℓ, b)."""
+    x = np.asarray(tokens)
+    if len(x) <= period:
+        return []
+    eq = np.concatenate([[False], x[period:] == x[:-period], [False]])
+    edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
+    starts, ends = edges[::2], edges[1::2] - 1  # run [a, b] in eq-index; t = index − 1 + ℓ
+    return [(int(a), int(b) + period) for a, b in zip(starts, ends)]
+
+
+def is_repetition(length: int, period: int) -> bool:
+    """⌊L/ℓ⌋ ≥ 2."""
+    return length // period >= 2
+
+
+def is_mature(length: int, period: int) -> bool:
+    """⌊L/ℓ⌋ ≥ 3 and L ≥ 30."""
+    return length // period >= MATURE_COPIES and length >= MATURE_LENGTH
+
+
+def repetitions(
+    tokens: Sequence[int], min_period: int = MIN_PERIOD, max_period: int = MAX_PERIOD
+) -> list[dict]:
+    """All repetitions, primitive periods only, sorted by start: dicts with period, start, end,
+    length, copies (⌊L/ℓ⌋), mature and terminal."""
+    n = len(tokens)
+    kept: list[dict] = []
+    for period in range(min_period, max_period + 1):
+        for s, e in periodic_segments(tokens, period):
+            length = e - s + 1
+            if not is_repetition(length, period):
+                continue
+            if any(k["start"] <= s and e <= k["end"] for k in kept):
+                continue  # a multiple of a smaller kept period
+            mature = is_mature(length, period)
+            kept.append(
+                dict(
+                    period=period,
+                    start=s,
+                    end=e,
+                    length=length,
+                    copies=length // period,
+                    mature=mature,
+                    terminal=mature and e == n - 1,
+                )
+            )
+    return sorted(kept, key=lambda k: (k["start"], k["period"]))
+
+
+def copy_positions(segment: dict, tokens: Sequence[int], which: str = "first") -> list[int]:
+    """Positions t with their copy token x_{t−ℓ}: 'first' = s+ℓ..s+2ℓ−1; 'pre_mature' = every
+    copied position before the segment's prefix becomes mature (t < s + max(3ℓ, 30) − 1)."""
+    s, e, ell = segment["start"], segment["end"], segment["period"]
+    if which == "first":
+        stop = s + 2 * ell - 1
+    elif which == "pre_mature":
+        stop = s + max(MATURE_COPIES * ell, MATURE_LENGTH) - 2
+    else:
+        raise ValueError(f"which must be 'first' or 'pre_mature', got {which!r}")
+    return list(range(s + ell, min(stop, e) + 1))
+
+
+def repetition_report(tokens: Sequence[int] | Tensor) -> dict:
+    """Table 2 report of one response: its repetitions and the copy positions/tokens for the
+    exit-mass metrics (positions index `tokens`; copy token = tokens[t − ℓ])."""
+    if isinstance(tokens, Tensor):
+        tokens = tokens.tolist()
+    tokens = list(tokens)
+    reps = repetitions(tokens)
+    out = {
+        "n_tokens": len(tokens),
+        "segments": reps,
+        "has_repetition": bool(reps),
+        "has_mature": any(r["mature"] for r in reps),
+        "terminal_loop": any(r["terminal"] for r in reps),
+    }
+    for which in ("first", "pre_mature"):
+        pos = sorted(
+            {(t, tokens[t - r["period"]]) for r in reps for t in copy_positions(r, tokens, which)}
+        )
+        out[f"{which}_copy_positions"] = [t for t, _ in pos]
+        out[f"{which}_copy_tokens"] = [c for _, c in pos]
+    return out
+
+
+def copy_token_probs(
+    probs_TxV: Tensor, positions: Sequence[int], copy_tokens: Sequence[int]
+) -> Tensor:
+    """p_{t, c_t} at the given positions: probs_TxV[t, c_t]."""
+    return probs_TxV[torch.as_tensor(positions, dtype=torch.long), torch.as_tensor(copy_tokens)]
+
+
+def exit_mass(
+    p_copy: Tensor | Sequence[float],
+    q_copy: Tensor | Sequence[float],
+    p_active_mass: Tensor | Sequence[float] | None = None,
+) -> dict[str, float]:
+    """Exit mass at copy positions (OPSD Table 2): teacher Σ(1−p_copy), student Σ(1−q_copy), ratio
+    R = Σ(1−q)/Σ(1−p), the fraction with q > p, and with P_A the reversed band p < q < p/P_A."""
+    p = torch.as_tensor(p_copy, dtype=torch.float64)
+    q = torch.as_tensor(q_copy, dtype=torch.float64)
+    teacher, student = (1 - p).sum().item(), (1 - q).sum().item()
+    n = max(p.numel(), 1)
+    out = {
+        "n": p.numel(),
+        "teacher": teacher,
+        "student": student,
+        "ratio": student / teacher if teacher > 0 else float("nan"),
+        "frac_student_above": (q > p).sum().item() / n,
+    }
+    if p_active_mass is not None:
+        pa = torch.as_tensor(p_active_mass, dtype=torch.float64)
+        out["frac_reversed_band"] = ((p < q) & (q < p / pa)).sum().item() / n
+    return out

@@ -1,0 +1,121 @@
+"""Repetition detector (OPSD Table 2): hand-built sequences, expected reports worked out by hand."""
+
+import pytest
+import torch
+
+from harness.repetition import (
+    copy_positions,
+    copy_token_probs,
+    exit_mass,
+    periodic_segments,
+    repetition_report,
+)
+
+
+def spans(report):
+    return [(r["period"], r["start"], r["end"]) for r in report["segments"]]
+
+
+def test_no_repetition():
+    r = repetition_report(list(range(40)))
+    assert r["segments"] == [] and not r["has_repetition"] and not r["terminal_loop"]
+    assert r["first_copy_positions"] == [] and r["n_tokens"] == 40
+
+
+def test_periodic_segment_runs_give_start_and_end():
+    # x = 9 1 2 3 1 2 3 7: x_t = x_{t-3} for t = 4, 5, 6 -> run [4, 6] -> s = 1, e = 6
+    assert periodic_segments([9, 1, 2, 3, 1, 2, 3, 7], 3) == [(1, 6)]
+    assert periodic_segments([1, 2], 3) == []
+
+
+def test_two_full_periods_is_a_repetition_but_not_mature():
+    # 9 | 1 2 3 1 2 3 | 7: period 3, L = 6, floor(6/3) = 2 -> repetition; < 3 copies, < 30 tokens
+    r = repetition_report([9, 1, 2, 3, 1, 2, 3, 7])
+    assert spans(r) == [(3, 1, 6)]
+    seg = r["segments"][0]
+    assert seg["copies"] == 2 and not seg["mature"] and not seg["terminal"]
+    # first copy: s+l .. s+2l-1 = 4, 5, 6; copy tokens x_{t-3} = 1, 2, 3
+    assert r["first_copy_positions"] == [4, 5, 6] and r["first_copy_tokens"] == [1, 2, 3]
+
+
+def test_less_than_two_full_periods_is_not_a_repetition():
+    # 1 2 3 1 2: a periodic segment (L = 5 > 3) but floor(5/3) = 1
+    assert periodic_segments([1, 2, 3, 1, 2], 3) == [(0, 4)]
+    assert repetition_report([1, 2, 3, 1, 2])["segments"] == []
+
+
+def test_mature_needs_30_tokens():
+    # (1 2) x 10: L = 20 copies 10 but L < 30 -> not mature; (1 2) x 15: L = 30 -> mature
+    assert not repetition_report([1, 2] * 10)["has_mature"]
+    r = repetition_report([1, 2] * 15)
+    assert spans(r) == [(2, 0, 29)] and r["has_mature"] and r["terminal_loop"]
+
+
+def test_mature_needs_three_periods():
+    # 15 distinct tokens twice: L = 30 but floor(30/15) = 2 -> repetition only
+    r = repetition_report(list(range(100, 115)) * 2)
+    assert spans(r) == [(15, 0, 29)] and not r["has_mature"]
+    # 10 distinct tokens three times: L = 30, floor(30/10) = 3 -> mature
+    assert repetition_report(list(range(10)) * 3)["has_mature"]
+
+
+def test_terminal_loop_and_loop_stopping_one_token_before_the_end():
+    # 50 51 | (1 2 3) x 10: period 3, s = 2, e = 31 = n-1 -> terminal loop
+    loop = [50, 51] + [1, 2, 3] * 10
+    r = repetition_report(loop)
+    assert spans(r) == [(3, 2, 31)] and r["terminal_loop"]
+    # one extra token 99 (99 != x_{t-3} = 1): e = 31 = n-2 -> mature, not terminal
+    r = repetition_report(loop + [99])
+    assert spans(r) == [(3, 2, 31)] and r["has_mature"] and not r["terminal_loop"]
+
+
+def test_period_bounds():
+    # l = 1 is excluded: (7) x 40 is reported with period 2 (L = 40, 20 copies)
+    assert spans(repetition_report([7] * 40)) == [(2, 0, 39)]
+    assert spans(repetition_report(list(range(50)) * 2)) == [(50, 0, 99)]
+    assert repetition_report(list(range(51)) * 3)["segments"] == []  # l = 51 > 50
+
+
+def test_overlapping_multiples_keep_the_primitive_period():
+    # (1 2) x 10 is also periodic with l = 4, 6, ..., 18 over subsets of [0, 19]: keep only l = 2
+    assert spans(repetition_report([1, 2] * 10)) == [(2, 0, 19)]
+    # (1 2 3) x 4 + 9: l = 3 gives [0, 11]; l = 6 gives [0, 11] as well -> dropped
+    assert spans(repetition_report([1, 2, 3] * 4 + [9])) == [(3, 0, 11)]
+
+
+def test_long_loop_containing_a_short_repetition_keeps_both():
+    # unit 1 2 1 2 3 4 5 6 (l = 8) four times: one l = 8 loop over [0, 31] (L = 32, 4 copies,
+    # mature, terminal); inside each unit the l = 2 repetition 1 2 1 2 at [8k, 8k+3];
+    # l = 16, 24 segments lie inside [0, 31] -> dropped
+    unit = [1, 2, 1, 2, 3, 4, 5, 6]
+    r = repetition_report(unit * 4)
+    assert spans(r) == [(2, 0, 3), (8, 0, 31), (2, 8, 11), (2, 16, 19), (2, 24, 27)]
+    loop = r["segments"][1]
+    assert loop["copies"] == 4 and loop["mature"] and loop["terminal"]
+    assert r["terminal_loop"]
+
+
+def test_first_copy_and_pre_mature_positions():
+    # (1 2) x 15: first copy = 2, 3 (tokens 1, 2); mature once L >= max(3*2, 30) = 30, i.e. at
+    # t = 29, so pre-maturity copied positions are t = 2 .. 28
+    r = repetition_report(torch.tensor([1, 2] * 15))
+    assert r["first_copy_positions"] == [2, 3] and r["first_copy_tokens"] == [1, 2]
+    assert r["pre_mature_copy_positions"] == list(range(2, 29))
+    assert r["pre_mature_copy_tokens"] == [1, 2] * 13 + [1]
+    with pytest.raises(ValueError, match="first"):
+        copy_positions(r["segments"][0], [1, 2] * 15, "last")
+
+
+def test_copy_token_probs_gathers_p_t_copy():
+    probs = torch.tensor([[0.1, 0.9, 0.0], [0.5, 0.2, 0.3], [0.6, 0.3, 0.1]])
+    assert copy_token_probs(probs, [1, 2], [2, 0]).tolist() == pytest.approx([0.3, 0.6])
+
+
+def test_exit_mass():
+    # teacher exit 0.1 + 0.5 = 0.6; student 0.2 + 0.25 = 0.45; R = 0.75; q > p only at t = 2
+    out = exit_mass([0.9, 0.5], [0.8, 0.75], p_active_mass=[0.5, 0.6])
+    assert out["teacher"] == pytest.approx(0.6) and out["student"] == pytest.approx(0.45)
+    assert out["ratio"] == pytest.approx(0.75) and out["frac_student_above"] == 0.5
+    # reversed band p < q < p/P_A: t = 2 has 0.5 < 0.75 < 0.833 -> 1 of 2
+    assert out["frac_reversed_band"] == 0.5
+    assert exit_mass([0.9, 0.5], [0.8, 0.75], p_active_mass=[0.5, 0.8])["frac_reversed_band"] == 0

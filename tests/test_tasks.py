@@ -1,0 +1,187 @@
+"""Tasks: determinism, disjoint splits, exact rewards (expected values by hand), JSONL errors."""
+
+import json
+from fractions import Fraction
+
+import pytest
+
+from harness.models import CHAR_ALPHABET
+from harness.registry import build
+from harness.tasks import (
+    TASKS,
+    ExprError,
+    arithmetic_trace,
+    countdown_reward,
+    extract_answer,
+    last_boxed,
+    last_number,
+    parse_expression,
+    place_parts,
+)
+
+
+def task(name, **kw):
+    return build(TASKS, name, "task", **kw)
+
+
+def test_registry_names_and_kwarg_check():
+    assert set(TASKS) == {"arithmetic", "countdown", "jsonl"}
+    with pytest.raises(TypeError, match="digit"):
+        task("arithmetic", digit=3)
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+def test_sampling_is_deterministic_and_splits_are_disjoint(name):
+    t = task(name)
+    a, b = t.sample(50, "train", seed=3), t.sample(50, "train", seed=3)
+    assert a == b and a != t.sample(50, "train", seed=4)
+    train = {t.key(p) for s in range(4) for p in t.sample(500, "train", seed=s)}
+    held = {t.key(p) for s in range(4) for p in t.sample(200, "eval", seed=s)}
+    assert len(held) > 50 and not train & held
+    with pytest.raises(ValueError, match="valid: train, eval"):
+        t.sample(1, "test")
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+def test_text_uses_the_char_alphabet_and_solutions_earn_reward(name):
+    t = task(name)
+    for p in t.sample(200, "train", seed=0) + t.sample(50, "eval", seed=0):
+        assert set(p.prompt + p.answer + p.solution) <= set(CHAR_ALPHABET)
+        assert t.reward(p, p.solution) == 1.0
+        assert len(p.solution) + 1 <= t.max_new_tokens
+
+
+def test_place_parts_and_traces_by_hand():
+    assert place_parts(405) == [400, 5] and place_parts(0) == [0] and place_parts(70) == [70]
+    assert arithmetic_trace(47, "+", 85) == "47+80+5=127+5=132"
+    assert arithmetic_trace(85, "-", 47) == "85-40-7=45-7=38"
+    assert arithmetic_trace(12, "-", 47) == "12-40-7=-28-7=-35"
+    assert arithmetic_trace(23, "*", 45) == "23*40+23*5=920+115=1035"
+    assert arithmetic_trace(23, "*", 5) == "23*5=115"
+    # 167*324 = 50100 + 3340 + 668 = 53440 + 668 = 54108
+    assert arithmetic_trace(167, "*", 324) == (
+        "167*300+167*20+167*4=50100+3340+668=53440+668=54108"
+    )
+
+
+def test_arithmetic_difficulty_and_reward():
+    t = task("arithmetic", digits=3, ops="-")
+    for p in t.sample(100, "train", seed=0):
+        a, b = p.prompt[:-1].split("-")
+        assert len(a) == len(b) == 3 and int(a) - int(b) == int(p.answer)
+    p = task("arithmetic").sample(1, "train", seed=0)[0]
+    assert t.reward(p, f"x={p.answer} ") == 1.0
+    assert t.reward(p, f"{p.answer}") == 0.0  # no '=': no final answer
+    assert t.reward(p, f"={p.answer}0") == 0.0
+    with pytest.raises(ValueError, match="ops"):
+        task("arithmetic", ops="+/")
+
+
+def test_parse_expression_precedence_and_exactness():
+    assert parse_expression("2+3*4") == (14, [2, 3, 4])
+    assert parse_expression("(2+3)*4")[0] == 20
+    assert parse_expression("8/4/2")[0] == 1 and parse_expression("7-2-1")[0] == 4
+    assert parse_expression("8/3*6")[0] == 16 and parse_expression("1/3")[0] == Fraction(1, 3)
+    for bad in ["", "2+", "(2+3", "2+3)", "2**3", "-2+3", "__import__('os')", "2/(1-1)"]:
+        with pytest.raises(ExprError):
+            parse_expression(bad)
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("3*7+9", 1.0),  # 21 + 9 = 30, each number once
+        ("9+7*3", 1.0),  # precedence: 9 + 21
+        ("3*7+9=30", 1.0),  # '= target' suffix ignored
+        ("let me think\n(3*7)+9\n", 1.0),  # the last non-empty line is graded
+        ("3*9+3", 0.0),  # 3 used twice (given once)
+        ("21+9", 0.0),  # 21 not given
+        ("3*7", 0.0),  # 21 != 30 (using a subset is allowed, but wrong value)
+        ("3*7+9+0", 0.0),  # 0 not given
+        ("3*(7+9", 0.0),  # unbalanced
+        ("__import__('os').system('x')", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_countdown_reward(response, expected):
+    assert countdown_reward([3, 7, 9], 30, response) == expected
+
+
+def test_countdown_reward_exact_division_and_zero():
+    assert countdown_reward([8, 3, 6], 16, "8/3*6") == 1.0  # exact rational 16
+    assert countdown_reward([5, 5, 2], 2, "2/(5-5)") == 0.0
+    assert countdown_reward([5, 5, 2], 2, "2*(5/5)") == 1.0  # duplicates count: 5 given twice
+
+
+def test_countdown_problems_respect_their_bounds():
+    t = task("countdown", n_numbers=4, max_number=6, max_target=50)
+    for p in t.sample(100, "train", seed=1):
+        nums = p.info["numbers"]
+        assert len(nums) == 4 and all(1 <= n <= 6 for n in nums)
+        assert (
+            1 <= int(p.answer) <= 50
+            and p.prompt == f"make {p.answer} from " + " ".join(map(str, nums)) + ":"
+        )
+
+
+def test_answer_extraction():
+    assert last_number("a 1,234 b -5.5 c") == "-5.5" and last_number("none") is None
+    assert last_boxed(r"x \boxed{\frac{1}{2}} y") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{1} \boxed{2") is None
+    assert extract_answer("48/2 = 24 clips.\n#### 72") == "72"
+    assert extract_answer(r"so \boxed{3} and 4") == "3"
+    assert extract_answer("it is 1,000 apples") == "1000"
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+GSM = [
+    {"question": f"Q{i}: what is {i}+{i}?", "answer": f"{i}+{i} = {2 * i}\n#### {2 * i:,}"}
+    for i in range(1000, 1040)
+]
+
+
+def test_jsonl_gsm8k_style(tmp_path):
+    t = task("jsonl", path=str(write_jsonl(tmp_path / "d.jsonl", GSM)))
+    train, held = t.splits["train"], t.splits["eval"]
+    assert (
+        len(train) + len(held) == 40
+        and held
+        and not {p.prompt for p in train} & {p.prompt for p in held}
+    )
+    p = next(q for q in train + held if q.prompt.startswith("Q1000:"))
+    assert p.answer == "2000" and p.solution == "1000+1000 = 2000\n#### 2,000"
+    assert t.reward(p, "The answer is 2,000.") == 1.0
+    assert t.reward(p, "2000.0") == 1.0
+    assert t.reward(p, r"\boxed{2000} (not 7)") == 1.0  # \boxed{} wins over the last number
+    assert t.reward(p, r"\boxed{1999} so 2000") == 0.0
+    assert t.reward(p, "no number") == 0.0
+    assert t.sample(10, "train", seed=1) == t.sample(10, "train", seed=1)
+    assert len(t.sample(100, "eval", seed=0)) == 100  # cycles through a small split
+
+
+def test_jsonl_fields_boxed_and_eval_path(tmp_path):
+    rows = [{"problem": "half?", "sol": r"so \boxed{\frac{1}{2}}"}]
+    a = write_jsonl(tmp_path / "a.jsonl", rows)
+    t = task("jsonl", path=str(a), eval_path=str(a), prompt_field="problem", answer_field="sol")
+    p = t.sample(1, "eval")[0]
+    assert p.answer == r"\frac{1}{2}"
+    assert t.reward(p, r"\boxed{\frac{1}{2}}") == 1.0 and t.reward(p, "0.5") == 0.0
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"question": "q"}', r"d\.jsonl:2: missing field\(s\) \['answer'\]; the line has"),
+        ("{not json", r"d\.jsonl:2: not valid JSON"),
+        ("[1, 2]", r"d\.jsonl:2: expected a JSON object, got list"),
+        ('{"question": "q", "answer": "none"}', r"d\.jsonl:2: no reference answer in field"),
+    ],
+)
+def test_jsonl_malformed_line_names_file_line_and_field(tmp_path, bad, message):
+    path = write_jsonl(tmp_path / "d.jsonl", [GSM[0], bad, GSM[1]])
+    with pytest.raises(ValueError, match=message):
+        task("jsonl", path=str(path))
