@@ -38,7 +38,8 @@ from harness import config as _schema  # noqa: F401  (registers the structured-c
 from harness.alpha import WeightHistory, minibatch_schedule
 from harness.batch import TokenBatch, identity_check
 from harness.engines import Engine, Rollout
-from harness.io import write_json_atomic, write_text_atomic
+from harness.io import write_text_atomic
+from harness.launch import run_task, update_meta
 from harness.logprobs import chunked_logp, support_mask
 from harness.models import load_model, resolve_dtype, upcycle_to_moe
 from harness.noise import build_noise
@@ -303,8 +304,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         metrics_path.unlink()  # a fresh run: never append to a previous run's log
     sampler.load_weights_from_state(history.behaviour())
 
-    meta = {"start_time": time.strftime("%Y-%m-%dT%H:%M:%S"), "resumed_from_step": start - 1}
-    write_json_atomic(run_dir / "meta.json", meta)
+    update_meta(run_dir, resumed_from_step=start - 1)
     eval_problems = task.sample(cfg.eval_n, "eval", cfg.seed)
     bar = tqdm(range(start, cfg.steps + 1), desc="train", disable=not cfg.progress)
     last: dict[str, Any] = {}
@@ -472,16 +472,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 f"guard.max_nonfinite={cfg.guard.max_nonfinite}); state saved at step {step} in "
                 f"{run_dir}/checkpoints. Lower the learning rate or check the objective's bounds."
             )
-    meta.update(end_time=time.strftime("%Y-%m-%dT%H:%M:%S"), last_step=cfg.steps)
-    write_json_atomic(run_dir / "meta.json", meta)
+    update_meta(run_dir, last_step=cfg.steps)
     sampler.close()
     return last
 
 
-@hydra.main(config_path="../experiments", config_name="train", version_base="1.3")
+CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
+
+
+@hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    return run(cfg)
+    return run_task(run, cfg)
 
 
 if __name__ == "__main__":
-    main()
+    from harness.train import main as _main  # by reference: submitit pickles harness.train.main
+
+    _main()

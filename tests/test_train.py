@@ -9,8 +9,7 @@ from harness.objectives import OBJECTIVES
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 TINY = [
-    "model.spec=tiny-llama",
-    "task.name=arithmetic",
+    "model=tiny-llama",
     "++task.digits=1",
     "rollout.prompts_per_step=2",
     "rollout.group_size=4",
@@ -45,9 +44,9 @@ def test_group_advantages_by_hand():
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_every_objective_runs_three_steps(tmp_path, name):
-    extra = ["distill.enabled=true", "++objective.top_k=null"] if name == "opsd_fkl" else []
+    extra = ["distill.enabled=true", "objective.top_k=null"] if name == "opsd_fkl" else []
     extra += ["alpha.minibatches=2"] if name == "calibrated_clip" else []
-    cfg = _cfg(tmp_path, f"objective.name={name}", "steps=3", *extra)
+    cfg = _cfg(tmp_path, f"objective={name}", "steps=3", *extra)
     last = train.run(cfg)
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3] and last["step"] == 3
@@ -58,8 +57,8 @@ def test_every_objective_runs_three_steps(tmp_path, name):
 def test_distill_changes_the_student(tmp_path):
     cfg = _cfg(
         tmp_path,
-        "objective.name=opsd_fkl",
-        "++objective.top_k=null",
+        "objective=opsd_fkl",
+        "objective.top_k=null",
         "distill.enabled=true",
         "steps=2",
         "checkpoint_every=1",
@@ -76,8 +75,8 @@ def test_distill_changes_the_student(tmp_path):
 def test_resume_gives_the_same_metrics(tmp_path):
     """Run 4 steps straight; run 2, 'crash', resume to 4: identical metric lines (CPU, seeds)."""
     common = [
-        "objective.name=opsd_fkl",
-        "++objective.top_k=null",
+        "objective=opsd_fkl",
+        "objective.top_k=null",
         "distill.enabled=true",
         "checkpoint_every=2",
         "alpha.minibatches=2",
@@ -124,8 +123,8 @@ def test_staleness_and_minibatches_create_alpha(tmp_path):
     """With m=2 the second minibatch trains one step late: its trust-region ratio moved."""
     cfg = _cfg(
         tmp_path,
-        "objective.name=opsd_fkl",
-        "++objective.top_k=null",
+        "objective=opsd_fkl",
+        "objective.top_k=null",
         "distill.enabled=true",
         "steps=3",
         "alpha.staleness=1",
@@ -137,19 +136,23 @@ def test_staleness_and_minibatches_create_alpha(tmp_path):
 
 
 def test_bad_config_fails_before_compute(tmp_path):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="ppo_clip"):
+        _cfg(tmp_path, "objective=ppo_clipp")
     with pytest.raises(KeyError, match="valid"):
         train.run(_cfg(tmp_path, "objective.name=ppo_clipp", "steps=1"))
     with pytest.raises(TypeError, match="valid"):
         train.run(_cfg(tmp_path, "++objective.eps_hgh=0.3", "steps=1"))
     with pytest.raises(ValueError, match="distill"):
-        train.run(_cfg(tmp_path, "objective.name=opsd_fkl", "steps=1"))
+        train.run(_cfg(tmp_path, "objective=opsd_fkl", "steps=1"))
 
 
 @pytest.mark.slow
 def test_smollm2_three_steps(tmp_path):
     cfg = _cfg(
         tmp_path,
-        "model.spec=smollm2-135m",
+        "model=smollm2-135m",
         "steps=3",
         "rollout.max_new_tokens=8",
         "engine.sampler_dtype=bf16",

@@ -1,0 +1,160 @@
+"""The config tree `experiments/`: presets compose against the schema (every point of their sweep
+grid), group files match the registries, and bad input fails at composition or at the start-up
+check (`harness.launch.check_nodes`), never on the cluster."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf, open_dict
+
+from harness import config as _schema  # noqa: F401  (registers train_schema)
+from harness.config import TrainConfig
+from harness.launch import check_nodes
+from harness.noise import NOISE
+from harness.objectives import AGGREGATIONS, OBJECTIVES
+from harness.tasks import TASKS
+
+EXP = Path(__file__).resolve().parents[1] / "experiments"
+MEASURE_PRESETS = {"noise_anatomy", "snr_table"}  # run with harness.measure, not harness.train
+MODEL_SPECS = {"task-model", "smollm2-135m", "tiny-llama", "tiny-moe"}  # ModelCfg.spec names
+PRESETS = sorted(p.stem for p in (EXP / "experiment").glob("*.yaml"))
+GROUPS = {
+    "task": set(TASKS),
+    "noise": set(NOISE) | {"none"},
+    "objective": set(OBJECTIVES),
+    "aggregation": set(AGGREGATIONS),
+    "model": MODEL_SPECS,
+}
+REQUIRED = {("task", "jsonl"): ["task.path=data.jsonl"]}  # options with a mandatory value
+
+
+def load(config_name: str, overrides: list[str], tmp: Path):
+    """Compose like `python -m harness.<job> overrides`, resolve and convert to the schema."""
+    with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
+        cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    cfg.hydra.runtime.output_dir = str(tmp)  # what ${hydra:runtime.output_dir} resolves to
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        params = cfg.hydra.sweeper.params
+        sweep = OmegaConf.to_container(params) if params is not None else {}
+        del cfg["hydra"]
+    return cfg, OmegaConf.to_object(cfg), sweep
+
+
+def grid(sweep: dict) -> list[list[str]]:
+    """Points of a `hydra.sweeper.params` grid as override lists: the full product of the group
+    axes (they select config files) × each value of each other axis once (seeds: the first)."""
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in sweep.items()])
+    groups, values = [], []
+    for o in parsed:
+        vals = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+        key = o.get_key_element()
+        axis = [f"{key}={v}" for v in vals[: 1 if key == "seed" else None]]
+        (groups if key in GROUPS else values).append(axis)
+    firsts = [a[0] for a in values]
+    variants = [firsts] + [
+        firsts[:i] + [v] + firsts[i + 1 :] for i, a in enumerate(values) for v in a[1:]
+    ]
+    return [[*g, *v] for g in itertools.product(*groups) for v in variants]
+
+
+def test_every_preset_exists():
+    assert set(PRESETS) == {
+        "noise_anatomy",
+        "snr_table",
+        "collapse_reject_vs_clamp",
+        "fp8_entropy_surge",
+        "opsd_repetition",
+        "nsr_vs_decay",
+        "phase_diagram",
+    }
+    for name in PRESETS:
+        assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_composes_over_its_grid(name, tmp_path):
+    job = "measure" if name in MEASURE_PRESETS else "train"
+    cfg, obj, sweep = load(job, [f"experiment={name}"], tmp_path)
+    assert cfg.name == name and cfg.out == str(tmp_path)
+    assert sweep, f"{name}: no hydra.sweeper.params grid"
+    if job == "train":
+        assert isinstance(obj, TrainConfig)
+        seeds = OverridesParser.create().parse_overrides([f"seed={sweep['seed']}"])[0]
+        assert len(list(seeds.sweep_string_iterator())) >= 3, f"{name}: fewer than 3 seeds"
+    for point in grid(sweep):
+        cfg, _, _ = load(job, [f"experiment={name}", *point], tmp_path)
+        check_nodes(cfg)  # what every job runs first: kwargs and types against the builders
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_group_files_match_registry(group, tmp_path):
+    stems = {p.stem for p in (EXP / group).glob("*.yaml")}
+    assert stems == GROUPS[group]
+    for option in sorted(stems):
+        cfg, _, _ = load(
+            "train", [f"{group}={option}", *REQUIRED.get((group, option), [])], tmp_path
+        )
+        check_nodes(cfg)
+        node = cfg[group]
+        if group == "model":
+            assert node.spec == option
+        elif group == "aggregation":
+            assert node == option
+        else:
+            assert node.name == option
+
+
+def test_launchers_compose(tmp_path):
+    with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
+        cfg = compose("train", ["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.max_num_timeout > 0 and launcher.partition
+    assert cfg.hydra.callbacks.slurm_guard._target_ == "harness.launch.SlurmGuard"
+    with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
+        cfg = compose("train", ["hydra/launcher=submitit_local"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("LocalLauncher")
+
+
+@pytest.mark.parametrize(
+    "override, valid",
+    [("objective=cispoo", "cispo"), ("noise=gauss", "logit"), ("experiment=collapse", "phase")],
+)
+def test_unknown_option_lists_the_valid_ones(override, valid, tmp_path):
+    with pytest.raises(MissingConfigException) as e:
+        load("train", [override], tmp_path)
+    assert valid in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["steps=ten"], ["stepz=10"], ["rollout.group_size=1.5"], ["engine.kv_cache=maybe"]],
+)
+def test_schema_rejects_typos_and_types_at_compose(overrides, tmp_path):
+    with pytest.raises(ConfigCompositionException):
+        load("train", overrides, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["objective=cispo", "+objective.eps_lowe=0.1"], r"unknown argument.*eps_lowe.*valid"),
+        (["objective=cispo", "objective.hi=big"], r"wrong type.*hi"),
+        (["noise=logit", "noise.sigma=true"], r"wrong type.*sigma"),
+        (["noise=logit", "+noise.sigmaa=0.1"], r"unknown argument.*sigmaa"),
+        (["task=arithmetic", "+task.digit=3"], r"unknown argument.*digit"),
+        (["+extra_noise=[{name: fp9}]"], r"unknown noise 'fp9'; valid: batch, fp8"),
+    ],
+)
+def test_node_typos_fail_before_compute(overrides, match, tmp_path):
+    cfg, _, _ = load("train", overrides, tmp_path)
+    with pytest.raises((TypeError, KeyError), match=match):
+        check_nodes(cfg)
