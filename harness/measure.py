@@ -1,47 +1,74 @@
-"""Main job: how far apart are the sampler μ and the trainer π on the same tokens?
+"""Main job (issue 5): the SNR post's measurement procedure (seed 001, notes/methods.md §2),
+validated against the ground truth the harness controls.
 
-Samples responses to a fixed built-in prompt set with the sampler engine, re-scores them on the
-trainer, and reports the identity check, the |Δ log π| distribution and mean |Δ| per confidence
-bin (SNR post, Table 3 / Figure 1 inputs). Δ = logp_old − logp_mu (row 3 of Table 1: pure β,
-since both engines hold the same weights).
+  1. Calibration (α ≡ 0): the same frozen weights θ_b in both engines; the sampler μ carries the
+     configured noise and sampling config. Δ_cal = logp_trainer − logp_sampler; identity check
+     (abort when |mean ratio − 1| exceeds the tolerance); noise anatomy (Table 3, Figure 1).
+  2. α: the trainer moves to θ, by `alpha.steps` optimizer steps of a real objective (default
+     ppo_clip + AdamW) on the calibration rollouts with a verifiable reward, or by a controlled
+     relative weight perturbation (`alpha.mode=perturb`, harness.alpha.perturb_weights_).
+  3. Live pass: new rollouts from μ at θ_b, scored by the trainer at θ: Δ_live = α + β.
+  4. Per confidence bin of trainer p_t: the SNR split and the three-job bounds (Table 6,
+     Figure 2, harness.snr), the Table 7 dials, layer amplification (notes §4.2).
+  5. Ground truth per live token: β = logp_trainer(θ_b) − logp_sampler(θ_b) (the engine
+     mismatch at the same weights) and α = logp_trainer(θ) − logp_trainer(θ_b), so α + β = Δ_live
+     exactly; per bin, estimated vs true Var_α, Var_β, SNR.
 
-    python -m harness.measure                      # smollm2-135m, bf16 sampler vs fp32 trainer
-    python -m harness.measure model=tiny-llama n=2
+Everything accumulates in streaming form (`rounds` rollout batches per pass; memory does not grow
+with the token count). Results go to `out` (default results/<name>/); figures are drawn by the
+analysis/ scripts, which read only results/.
+
+    python -m harness.measure                                  # smollm2-135m, FP8 block W8A8
+    python -m harness.measure model=tiny-llama n=2 alpha.mode=perturb
+    python -m harness.measure 'noise=[{name:layer,sigma:1e-2}]' rounds=4 name=layer_1e-2
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 import time
 from pathlib import Path
 
 import hydra
 import numpy as np
+import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.batch import identity_check
-from harness.engines import Engine
+from harness.alpha import minibatch_schedule, perturb_weights_
+from harness.batch import TokenBatch, identity_check
+from harness.engines import Engine, Rollout
 from harness.io import write_json_atomic, write_text_atomic
+from harness.launch import run_task
+from harness.logprobs import chunked_logp, support_mask
 from harness.models import load_model, resolve_dtype
+from harness.noise import NOISE, build_noise, layer_amplification
+from harness.objectives import build_objective
+from harness.snr import TABLE6_COLUMNS, BinnedMoments, SNRSplit, bin_index, shrink_kwargs
 
+BOUND_COLUMNS = ["l_noise", "u_noise", "l_signal", "u_signal", "l_ess", "u_ess", "lower", "upper"]
+BOUND_COLUMNS += ["upper_set_by"]
+
+# (prompt, regex the answer must match: the verifiable reward of alpha.mode=steps)
 PROMPTS = [
-    "What is 17 + 25? Answer with a number.",
-    "Compute 12 * 13 and explain briefly.",
-    "If a train travels 60 km in 45 minutes, what is its speed in km/h?",
-    "List three prime numbers greater than 50.",
-    "What is the capital of Germany?",
-    "Write one sentence about the ocean.",
-    "Explain what a derivative is in one sentence.",
-    "Solve for x: 3x + 7 = 22.",
-    "Name a fruit that is yellow.",
-    "What is the square root of 144?",
-    "Give a synonym for 'happy'.",
-    "How many days are in a leap year?",
-    "Translate 'good morning' into French.",
-    "What is 100 divided by 8?",
-    "Describe a cat in five words.",
-    "Is 91 a prime number? Explain.",
+    ("What is 17 + 25? Answer with a number.", r"\b42\b"),
+    ("Compute 12 * 13 and explain briefly.", r"\b156\b"),
+    ("If a train travels 60 km in 45 minutes, what is its speed in km/h?", r"\b80\b"),
+    ("List three prime numbers greater than 50.", r"\b(53|59|61|67|71|73|79|83|89|97)\b"),
+    ("What is the capital of Germany?", r"berlin"),
+    ("Write one sentence about the ocean.", r"\b(ocean|sea|waves?)\b"),
+    ("Explain what a derivative is in one sentence.", r"\b(rate|slope|change)\b"),
+    ("Solve for x: 3x + 7 = 22.", r"x\s*=\s*5\b"),
+    ("Name a fruit that is yellow.", r"\b(banana|lemon|pineapple|mango)"),
+    ("What is the square root of 144?", r"\b12\b"),
+    ("Give a synonym for 'happy'.", r"\b(joyful|cheerful|glad|content|delighted|pleased|elated)"),
+    ("How many days are in a leap year?", r"\b366\b"),
+    ("Translate 'good morning' into French.", r"bonjour"),
+    ("What is 100 divided by 8?", r"\b12\.5\b"),
+    ("Describe a cat in five words.", r"\b(furry|fluffy|cute|playful|curious|soft|independent)"),
+    ("Is 91 a prime number? Explain.", r"\b(not|no)\b|7\s*[x×*]\s*13"),
 ]
 
 
@@ -57,101 +84,441 @@ def format_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
 
 
-def delta_summary(delta: np.ndarray, p_t: np.ndarray, bins: list[float]) -> dict:
-    a = np.abs(delta)
-    per_bin = []
-    for lo, hi in zip(bins[:-1], bins[1:]):
-        sel = (p_t >= lo) & ((p_t < hi) if hi < 1.0 else (p_t <= hi))
-        per_bin.append(
-            {
-                "bin_lo": lo,
-                "bin_hi": hi,
-                "n": int(sel.sum()),
-                "mean_abs_delta": float(a[sel].mean()) if sel.any() else float("nan"),
-            }
-        )
-    return {
-        "n_tokens": int(a.size),
-        "mean_abs_delta": float(a.mean()),
-        "median_abs_delta": float(np.median(a)),
-        "p99_abs_delta": float(np.quantile(a, 0.99)),
-        "max_abs_delta": float(a.max()),
-        "per_bin": per_bin,
-    }
+def noise_nodes(cfg: DictConfig) -> list[dict]:
+    """μ's noise: the `noise=` group choice if any, else `sampler_noise`; then `extra_noise`."""
+    chosen = [cfg.noise] if cfg.get("noise") is not None else list(cfg.sampler_noise)
+    nodes = [OmegaConf.to_container(n, resolve=True) for n in [*chosen, *cfg.extra_noise]]
+    return [n for n in nodes if n["name"] != "none"]
 
 
-def run(cfg: DictConfig) -> dict:
-    t0 = time.time()
-    print(f"[measure] loading {cfg.model} ...", flush=True)
-    trainer_model, tok = load_model(cfg.model, dtype=cfg.trainer_dtype)
-    sampler_model = copy.deepcopy(trainer_model).to(resolve_dtype(cfg.sampler_dtype))
-    sampler, trainer = Engine(sampler_model, tok), Engine(trainer_model, tok)
+def _tup(v):
+    return tuple(v) if isinstance(v, list) else v
 
-    prompts = format_prompts(tok, PROMPTS)
-    print(
-        f"[measure] sampling {len(prompts)} prompts x {cfg.n} on the {cfg.sampler_dtype} sampler "
-        f"({cfg.max_new_tokens} new tokens) ...",
-        flush=True,
-    )
-    ro = sampler.generate(
+
+def noise_label(nodes: list[dict]) -> str:
+    """name(kwargs that differ from the noise model's defaults), joined by +."""
+    parts = []
+    for n in nodes:
+        sig = inspect.signature(NOISE[n["name"]]).parameters
+        kw = [
+            f"{k}={v}"
+            for k, v in n.items()
+            if k == "sigma" or (k != "name" and (k not in sig or sig[k].default != _tup(v)))
+        ]
+        parts.append(f"{n['name']}({', '.join(kw)})")
+    return " + ".join(parts) or "none"
+
+
+def model_spec(cfg: DictConfig) -> str:
+    """`model` is the model group's node {spec: ...} (or a plain string from older presets)."""
+    return cfg.model if isinstance(cfg.model, str) else cfg.model.spec
+
+
+# --- passes -------------------------------------------------------------------------------------
+
+
+def sample(engine: Engine, prompts, cfg: DictConfig, seed: int) -> Rollout:
+    return engine.generate(
         prompts,
         n=cfg.n,
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
-        seed=cfg.seed,
-        progress=True,
+        seed=seed,
+        progress=cfg.progress,
     )
-    print(f"[measure] re-scoring on the {cfg.trainer_dtype} trainer ...", flush=True)
-    sc = trainer.score_rollout(ro, mask_replay=cfg.mask_replay)
-    mask = ro.response_mask.bool()
-    check = identity_check(sc["logp"], ro.logp_mu, ro.response_mask)
-    delta = (sc["logp"] - ro.logp_mu)[mask].numpy()
-    summary = {
-        "model": cfg.model,
-        "sampler_dtype": cfg.sampler_dtype,
-        "trainer_dtype": cfg.trainer_dtype,
-        "n_responses": int(mask.shape[0]),
-        "identity_mean_ratio": check.mean_ratio,
-        "identity_ok": check.ok,
-        "identity_tol": check.tol,
-        **delta_summary(delta, sc["p_t"][mask].numpy(), list(cfg.bins)),
-        "wall_s": round(time.time() - t0, 1),
+
+
+def token_arrays(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per response token (flattened over the mask): the inputs of DeltaStats.add."""
+    m = ro.response_mask.bool()
+    rows = torch.arange(m.shape[0])[:, None].expand_as(m)
+    return {
+        "delta": (logp_trainer - ro.logp_mu)[m].double().numpy(),
+        "conf": sc["p_t"][m].double().numpy(),
+        "q": ro.logp_mu[m].double().exp().numpy(),
+        "gate": (1 - 2 * sc["p_t"] + sc["p_sq_sum"])[m].double().numpy(),
+        "seq": rows[m].numpy(),
     }
 
-    print("\n" + check.explain())
-    print(
-        f"|Δ log π| over {summary['n_tokens']} tokens: mean {summary['mean_abs_delta']:.4g}  "
-        f"median {summary['median_abs_delta']:.4g}  p99 {summary['p99_abs_delta']:.4g}  "
-        f"max {summary['max_abs_delta']:.4g}"
-    )
-    print(f"{'p_t bin':>14} {'n':>7} {'mean |Δ|':>10}")
-    for b in summary["per_bin"]:
-        print(f"  [{b['bin_lo']:.2f}, {b['bin_hi']:.2f}) {b['n']:>7} {b['mean_abs_delta']:>10.4g}")
 
-    out = Path(cfg.out)
-    write_json_atomic(out / "summary.json", summary)
-    rows = ["p_t,logp_old,logp_mu,delta"] + [
-        f"{p:.6g},{lo:.6g},{lm:.6g},{d:.6g}"
-        for p, lo, lm, d in zip(
-            sc["p_t"][mask].tolist(),
-            sc["logp"][mask].tolist(),
-            ro.logp_mu[mask].tolist(),
-            delta.tolist(),
+def check_identity(logp: torch.Tensor, ro: Rollout, tol: float | None, what: str) -> float:
+    chk = identity_check(logp, ro.logp_mu, ro.response_mask, tol)
+    print(f"[measure] {what}: {chk.explain()}", flush=True)
+    if not chk.ok:
+        raise SystemExit(
+            f"[measure] aborting: {what} identity check failed — {chk.explain()}. The SNR split "
+            "is meaningless on unfaithful log-probs (notes/methods.md §2.2)."
         )
+    return chk.mean_ratio
+
+
+def rewards(tok, ro: Rollout) -> torch.Tensor:
+    """1 when the response matches its prompt's answer regex (case-insensitive), else 0."""
+    texts = tok.batch_decode(ro.response_ids * ro.response_mask.long(), skip_special_tokens=True)
+    pats = [PROMPTS[i % len(PROMPTS)][1] for i in ro.prompt_index.tolist()]
+    return torch.tensor([float(bool(re.search(p, t, re.I))) for p, t in zip(pats, texts)])
+
+
+def grpo_advantages(r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """GRPO: (r − mean_g) / (std_g + 1e-6) within each prompt group."""
+    adv = torch.zeros_like(r)
+    for g in group.unique():
+        sel = group == g
+        adv[sel] = (r[sel] - r[sel].mean()) / (r[sel].std(unbiased=False) + 1e-6)
+    return adv
+
+
+def train_steps(live: Engine, ro: Rollout, sc: dict, tok, cfg: DictConfig) -> dict:
+    """θ_b → θ: `alpha.steps` optimizer steps of `alpha.objective` on the rollout `ro` (sampled
+    by μ at θ_b; logp_old = trainer at θ_b), GRPO advantages, DAPO dynamic sampling (rows of
+    uniform-reward groups dropped), minibatches cycled."""
+    a = cfg.alpha
+    model = live.model
+    r = rewards(tok, ro)
+    adv = grpo_advantages(r, ro.prompt_index)
+    batch = TokenBatch(
+        tokens=ro.response_ids,
+        mask=ro.response_mask,
+        logp_old=sc["logp"],
+        logp_mu=ro.logp_mu,
+        advantages=adv[:, None] * ro.response_mask,
+        p_t=sc["p_t"],
+        entropy=sc["entropy"],
+        p_sq_sum=sc["p_sq_sum"],
+        group_id=ro.prompt_index,
+        seq_id=torch.arange(ro.response_ids.shape[0]),
+    )
+    keep = None
+    if cfg.mask_replay and ro.support is not None:
+        B, T = ro.response_ids.shape
+        keep = support_mask(ro.support.reshape(B * T, -1), model.config.vocab_size)
+        keep[torch.arange(B * T), ro.response_ids.reshape(-1)] = True
+        keep = keep.view(B, T, -1)
+    obj = build_objective(a.objective, **OmegaConf.to_container(a.objective_kw, resolve=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    # DAPO dynamic sampling: groups with uniform reward have zero advantage and no gradient
+    informative = torch.nonzero(adv != 0).flatten()
+    if len(informative) == 0:
+        print("[measure] warning: every reward group is uniform; the objective moves nothing")
+        informative = torch.arange(len(adv))
+    m = min(a.minibatches or a.steps, len(informative))
+    sched = [
+        (informative[rows], lag)
+        for rows, lag in minibatch_schedule(len(informative), m, seed=cfg.seed)
     ]
-    write_text_atomic(out / "tokens.csv", "\n".join(rows) + "\n")
-    print(f"\nwrote {out}/summary.json and tokens.csv ({summary['wall_s']} s)")
-    return summary
+    losses = []
+    model.requires_grad_(True).train()
+    with torch.enable_grad():
+        for k in range(a.steps):
+            rows = sched[k % len(sched)][0]
+            h = live.hidden_states(ro.tokens[rows], ro.attention_mask[rows], ro.n_prompt)
+            b, T, H = h.shape
+            kk = keep[rows].reshape(b * T, -1) if keep is not None else None
+            w = model.get_output_embeddings().weight
+            tgt = ro.response_ids[rows].reshape(-1)
+            logp = chunked_logp(h.reshape(b * T, H), w, tgt, ro.temperature, kk).view(b, T)
+            out = obj(logp, batch.index(rows))
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(out.loss.item())
+    model.eval()
+    model.requires_grad_(False)
+    return {
+        "reward_mean": float(r.mean()),
+        "loss": losses,
+        "frac_nonzero_adv": float((adv != 0).float().mean()),
+    }
 
 
-@hydra.main(config_path="../experiments", config_name="measure", version_base="1.3")
+@torch.no_grad()
+def rel_weight_change(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """‖θ − θ_b‖ / ‖θ_b‖ over the weight matrices (perturb_weights_'s definition)."""
+    d2 = w2 = 0.0
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        if pb.dim() < 2:
+            continue
+        d2 += (pa.float() - pb.float()).pow(2).sum().item()
+        w2 += pb.float().pow(2).sum().item()
+    return (d2 / w2) ** 0.5
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def truth_table(split: SNRSplit, truth: BinnedMoments) -> pd.DataFrame:
+    """Per bin: estimated (procedure) vs true (α, β of every live token) variances and SNR."""
+    est = split.table()
+    var_a, var_b = truth.var(0), truth.var(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        snr_true = var_a / var_b
+        return pd.DataFrame(
+            {
+                "bin_lo": est.bin_lo,
+                "bin_hi": est.bin_hi,
+                "n_cal": est.n_cal,
+                "n_live": est.n_live,
+                "var_beta_est": est.var_beta,
+                "var_beta_true": var_b,
+                "var_alpha_est": est.var_alpha,
+                "var_alpha_true": var_a,
+                "snr_est": est.snr,
+                "snr_true": snr_true,
+                "snr_ratio": est.snr / snr_true,
+                "lam_est": est.lam,
+                "lam_true": var_a / (var_a + var_b),
+                "corr_alpha_beta": truth.corr(0, 1),
+            }
+        )
+
+
+def gate_prediction(per_bin: pd.DataFrame, nodes: list[dict], temperature: float):
+    """Figure 1 overlay: mean |Δ| ≈ √(2/π)·σ·E√(1 − 2p_t + ‖p‖²) per bin (methods.md §2.1).
+    σ is the logit noise's own when the only noise is Gaussian logit noise, else fitted to the
+    overall mean |Δ| (the gate's shape only)."""
+    shape = np.sqrt(2 / np.pi) * per_bin.gate_sqrt_mean
+    if len(nodes) == 1 and nodes[0]["name"] == "logit" and nodes[0].get("nu") is None:
+        return shape * nodes[0].get("sigma", 0.1) / temperature, "logit σ"
+    n, m = per_bin.n.to_numpy(float), per_bin.mean_abs_delta.to_numpy(float)
+    ok = np.isfinite(m) & np.isfinite(shape.to_numpy(float)) & (n > 0)
+    sigma = (n * m)[ok].sum() / max((n * shape)[ok].sum(), 1e-300)
+    return shape * sigma, "fitted σ"
+
+
+def fmt_table(df: pd.DataFrame) -> str:
+    return df.to_string(index=False, float_format=lambda x: f"{x:.4g}")
+
+
+def build_report(split: SNRSplit, truth: BinnedMoments | None, cfg: DictConfig, meta: dict) -> dict:
+    """Everything the run writes: DataFrames and a JSON summary."""
+    nodes = noise_nodes(cfg)
+    t6 = split.bounds(cfg.noise_q, cfg.signal_k, cfg.ess_floor, cfg.ess_on)
+    per_bin = pd.concat(
+        [
+            split.cal.per_bin().assign(**{"pass": "cal"}),
+            split.live.per_bin().assign(**{"pass": "live"}),
+        ],
+        ignore_index=True,
+    )
+    pred, src = gate_prediction(per_bin[per_bin["pass"] == "cal"], nodes, cfg.temperature)
+    per_bin["gate_pred"] = np.concatenate([pred.to_numpy(), np.full(len(pred), np.nan)])
+    hist = []
+    for name, st in (("cal", split.cal), ("live", split.live)):
+        n, m = st.lb.fold(st.hist()), st.lb.fold(st.hist(mass=True))
+        j = np.flatnonzero(n)
+        lo, hi = st.lb.value(j, np.zeros(len(j))), st.lb.value(j, np.ones(len(j)))
+        hist.append(pd.DataFrame({"pass": name, "lo": lo, "hi": hi, "count": n[j], "mass": m[j]}))
+    dials = pd.DataFrame({"cal": split.cal.dials(), "live": split.live.dials()})
+    dials.index.name = "dial"
+    anatomy = pd.Series(split.cal.anatomy(), name="value")
+    anatomy.index.name = "stat"
+    report = {
+        "table3": anatomy.reset_index(),
+        "table6": t6,
+        "table7": dials.reset_index(),
+        "per_bin": per_bin,
+        "abs_delta_hist": pd.concat(hist, ignore_index=True),
+        "truth": truth_table(split, truth) if truth is not None else None,
+    }
+    report["summary"] = {
+        **meta,
+        "label": f"{noise_label(nodes)} | α: {meta.get('alpha_label', cfg.alpha.mode)}",
+        "noise": nodes,
+        "gate_sigma_source": src,
+        "table3": {k: float(v) for k, v in anatomy.items()},
+        "table7": {c: {k: float(v) for k, v in dials[c].items()} for c in dials},
+        "snr_shrink_kwargs": shrink_kwargs(t6),
+    }
+    return report
+
+
+def write_report(out: Path, report: dict) -> None:
+    for key in ("table3", "table6", "table7", "per_bin", "abs_delta_hist", "truth"):
+        if report.get(key) is not None:
+            write_text_atomic(out / f"{key}.csv", report[key].to_csv(index=False))
+    write_json_atomic(out / "summary.json", report["summary"])
+    write_json_atomic(out / "snr_shrink.json", report["summary"]["snr_shrink_kwargs"])
+
+
+def tables_text(report: dict) -> str:
+    t6 = report["table6"]
+    parts = [
+        "Table 3 — |Δ log π| at frozen weights (calibration pass)",
+        fmt_table(report["table3"]),
+        "",
+        "Table 6 — per-bin SNR split, with the three-job bounds (Figure 2)",
+        fmt_table(t6[TABLE6_COLUMNS]),
+        "",
+        fmt_table(t6[["bin_lo", "bin_hi", *BOUND_COLUMNS]]),
+        "",
+        "Table 7 — dials (calibration vs live)",
+        fmt_table(report["table7"]),
+    ]
+    if report.get("truth") is not None:
+        tt = report["truth"]
+        parts += [
+            "",
+            "Ground truth — estimated vs true per bin (live tokens)",
+            fmt_table(tt.drop(columns=["n_cal", "lam_est", "lam_true"])),
+        ]
+    return "\n".join(parts) + "\n"
+
+
+def draw_figures(out: Path) -> list[Path]:
+    from analysis import layer_amplification, noise_anatomy, snr_table
+
+    return [p for mod in (noise_anatomy, snr_table, layer_amplification) if (p := mod.main(out))]
+
+
+# --- the job ------------------------------------------------------------------------------------
+
+
+def run(cfg: DictConfig) -> dict:
+    t_start = time.time()
+    timings: dict[str, float] = {}
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    torch.manual_seed(cfg.seed)
+    nodes = noise_nodes(cfg)
+    spec = model_spec(cfg)
+    if cfg.alpha.mode not in ("steps", "perturb", "none"):
+        raise ValueError(f"alpha.mode={cfg.alpha.mode!r}; valid: steps, perturb, none")
+
+    print(f"[measure] loading {spec}; μ noise: {noise_label(nodes)} ...", flush=True)
+    trainer_model, tok = load_model(spec, dtype=cfg.trainer_dtype, seed=cfg.seed)
+    trainer_model.requires_grad_(False)
+    sampler_model = copy.deepcopy(trainer_model).to(resolve_dtype(cfg.sampler_dtype))
+    sampler = Engine(
+        sampler_model,
+        tok,
+        noise=[
+            build_noise(n["name"], **{k: v for k, v in n.items() if k != "name"}) for n in nodes
+        ],
+        kv_cache=cfg.kv_cache,
+    )
+
+    def trainer_engine(model):
+        return Engine(model, tok, noise=[build_noise("replay")] if cfg.routing_replay else [])
+
+    trainer = trainer_engine(trainer_model)
+    prompts = format_prompts(tok, [p for p, _ in PROMPTS])
+    stats_kw = {"cap": cfg.cap, "band": tuple(cfg.band)}
+    split = SNRSplit(list(cfg.edges), **stats_kw)
+    ident: dict[str, list[float]] = {"cal": [], "live": []}
+
+    # --- 1. calibration: α ≡ 0 -----------------------------------------------------------------
+    t = time.time()
+    first = None
+    for i in range(cfg.rounds):
+        print(f"[measure] calibration round {i + 1}/{cfg.rounds}: sampling ...", flush=True)
+        ro = sample(sampler, prompts, cfg, seed=cfg.seed * 1_000_003 + i)
+        sc = trainer.score_rollout(ro, mask_replay=cfg.mask_replay)
+        ident["cal"].append(check_identity(sc["logp"], ro, cfg.identity_tol, "calibration"))
+        split.add_cal(**token_arrays(ro, sc, sc["logp"]))
+        if first is None:
+            first = (ro, sc)
+    timings["calibration_s"] = time.time() - t
+
+    # --- 2. α: θ_b → θ --------------------------------------------------------------------------
+    t = time.time()
+    alpha_info: dict = {"mode": cfg.alpha.mode}
+    live = trainer
+    if cfg.alpha.mode != "none":
+        live_model = copy.deepcopy(trainer_model)
+        live = trainer_engine(live_model)
+        if cfg.alpha.mode == "perturb":
+            perturb_weights_(live_model, cfg.alpha.rel_sigma, seed=cfg.alpha.perturb_seed)
+            alpha_info["label"] = f"perturb rel σ={cfg.alpha.rel_sigma:g}"
+        else:
+            print(f"[measure] α: {cfg.alpha.steps} × {cfg.alpha.objective} steps ...", flush=True)
+            alpha_info.update(train_steps(live, first[0], first[1], tok, cfg))
+            alpha_info["label"] = (
+                f"{cfg.alpha.steps} {cfg.alpha.objective} steps, lr={cfg.alpha.lr:g}"
+            )
+        alpha_info["rel_weight_change"] = rel_weight_change(live_model, trainer_model)
+    else:
+        alpha_info["label"] = "none"
+    timings["alpha_s"] = time.time() - t
+    first = None
+
+    # --- 3. live pass with ground truth --------------------------------------------------------
+    t = time.time()
+    truth = BinnedMoments(len(cfg.edges) - 1, 2)
+    max_err = 0.0
+    amp_tokens = None
+    for i in range(cfg.rounds):
+        print(f"[measure] live round {i + 1}/{cfg.rounds}: sampling ...", flush=True)
+        ro = sample(sampler, prompts, cfg, seed=cfg.seed * 1_000_003 + 7_919 + i)
+        sc_b = trainer.score_rollout(ro, mask_replay=cfg.mask_replay)
+        sc_t = sc_b if live is trainer else live.score_rollout(ro, mask_replay=cfg.mask_replay)
+        ident["live"].append(check_identity(sc_t["logp"], ro, cfg.identity_tol, "live"))
+        arr = token_arrays(ro, sc_t, sc_t["logp"])
+        split.add_live(**arr)
+        m = ro.response_mask.bool()
+        beta = (sc_b["logp"] - ro.logp_mu)[m].double().numpy()
+        alpha = (sc_t["logp"] - sc_b["logp"])[m].double().numpy()
+        truth.add(bin_index(arr["conf"], list(cfg.edges)), np.stack([alpha, beta], 1))
+        max_err = max(max_err, float(np.abs(alpha + beta - arr["delta"]).max()))
+        if amp_tokens is None:
+            amp_tokens = (ro.tokens[: cfg.amp_rows], ro.attention_mask[: cfg.amp_rows])
+    timings["live_s"] = time.time() - t
+
+    # --- 4. layer amplification ----------------------------------------------------------------
+    if cfg.amp_rows > 0:
+        t = time.time()
+        rows = []
+        for where in (0, "embed"):
+            amp = layer_amplification(
+                trainer_model,
+                amp_tokens[0],
+                inject_at=where,
+                sigma=cfg.amp_sigma,
+                seeds=tuple(range(cfg.amp_seeds)),
+                attention_mask=amp_tokens[1],
+            )
+            rows.append(pd.DataFrame(amp).assign(inject_at=str(where)))
+        write_text_atomic(out / "layer_amplification.csv", pd.concat(rows).to_csv(index=False))
+        timings["layer_amp_s"] = time.time() - t
+
+    # --- 5. tables, files, figures -------------------------------------------------------------
+    meta = {
+        "model": spec,
+        "sampler_dtype": cfg.sampler_dtype,
+        "trainer_dtype": cfg.trainer_dtype,
+        "alpha": alpha_info,
+        "alpha_label": alpha_info["label"],
+        "identity_mean_ratio": {k: float(np.mean(v)) for k, v in ident.items()},
+        "truth_max_abs_err": max_err,  # |α + β − Δ_live|: 0 up to float rounding
+        "amp_sigma": cfg.amp_sigma,
+    }
+    report = build_report(split, truth, cfg, meta)
+    text = tables_text(report)
+    print("\n" + text, flush=True)
+    write_text_atomic(out / "tables.txt", text)
+    timings["wall_s"] = time.time() - t_start
+    report["summary"]["timings"] = {k: round(v, 1) for k, v in timings.items()}
+    write_report(out, report)
+    if cfg.figures:
+        for p in draw_figures(out):
+            print(f"[measure] wrote {p}")
+    print(f"[measure] wrote {out}/ ({time.time() - t_start:.0f} s)", flush=True)
+    return report["summary"]
+
+
+CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
+
+
+@hydra.main(config_path=CONFIGS, config_name="measure", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(cfg))
-    run(cfg)
+    return run_task(run, cfg)
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    main()
+    from harness.measure import main as _main  # by reference: submitit pickles harness.measure.main
+
+    _main()

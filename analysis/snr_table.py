@@ -1,0 +1,64 @@
+"""Figure 2 (SNR post): per confidence bin, the three-job bounds [l, u] on the weight, with the
+noise (β quantiles), signal (e^{±2σ_α}) and ESS candidates; right: estimated vs true SNR per
+bin (ground truth from the harness), one colour per run.
+
+    python -m analysis.snr_table [results/snr_table]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from analysis.common import RESULTS, bin_labels, load_runs, savefig, set_theme
+
+FLOOR = 1e-3  # SNR = 0 (Var_r ≤ Var_β) is drawn here on the log axis
+
+
+def main(root: str | Path = RESULTS / "snr_table") -> Path | None:
+    t6, truth = load_runs(root, "table6.csv"), load_runs(root, "truth.csv")
+    if t6.empty:
+        return None
+    set_theme()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    first = t6[t6.run == t6.run.iloc[0]]
+    x = np.arange(len(first))
+    ax.vlines(x, first.lower, first.upper, lw=10, alpha=0.3, color="C0", label="band [l, u]")
+    for col, mk, c, name in [
+        ("noise", "v", "C1", "β quantiles (noise)"),
+        ("signal", "o", "C2", "e^{±2σ_α} (signal)"),
+        ("ess", "x", "C3", "ESS floor (where binding)"),
+    ]:
+        up, lo = first[f"u_{col}"].where(np.isfinite(first[f"u_{col}"])), first[f"l_{col}"]
+        ax.plot(x, up, mk, color=c, label=name)
+        ax.plot(x, lo.where(lo > 0), mk, color=c, mfc="none")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x, bin_labels(first), rotation=30)
+    ax.set(
+        yscale="log",
+        xlabel="trainer confidence p_t (bin)",
+        ylabel="weight bound (ratio)",
+        title=f"Fig. 2: three-job bounds, {first.label.iloc[0].split(' | ')[0]}",
+    )
+    ax.legend(fontsize=7)
+    for i, (label, d) in enumerate(truth.groupby("label", sort=False)):
+        for col, style, what in (("snr_est", "o-", "estimated"), ("snr_true", "s--", "true")):
+            y = d[col].clip(lower=FLOOR)
+            who = f"{label}: " if truth.label.nunique() > 1 else ""
+            bx.plot(np.arange(len(d)), y, style, color=f"C{i}", label=f"{who}{what}")
+        bx.set_xticks(np.arange(len(d)), bin_labels(d), rotation=30)
+    bx.set(
+        yscale="log",
+        xlabel="trainer confidence p_t (bin)",
+        ylabel=f"SNR = Var_α/Var_β (0 drawn at {FLOOR:g})",
+        title="SNR per bin: procedure vs ground truth",
+    )
+    bx.legend(fontsize=7)
+    return savefig(fig, Path(root) / "fig2_snr_table")
+
+
+if __name__ == "__main__":
+    print(main(*sys.argv[1:2]))
