@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ratiolab-installed
 
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+
 .PHONY: setup demo test test-fast lint bench figures clean-venv
 
 setup: $(STAMP)
@@ -30,8 +33,16 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-bench: $(STAMP)
-	$(PY) benchmarks/bench_score.py
+bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~35 min on 2 cores)
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	mkdir -p results/bench
+	$(PY) benchmarks/bench_score.py --rounds 3
+	$(PY) benchmarks/bench_noise.py | tee results/bench/noise.txt
+	$(PY) benchmarks/bench_objectives.py | tee results/bench/objectives.txt
+	$(PY) benchmarks/bench_measure.py | tee results/bench/measure.txt
+	$(PY) benchmarks/bench_step.py --model tiny --pairs 9
+	$(PY) benchmarks/bench_step.py --model smollm2-135m --pairs 4
+	$(PY) benchmarks/bench_flops.py --pairs 5
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,9 +1,11 @@
 """Peak memory and time of chunked trainer scoring vs a naive full-vocabulary fp32 log-softmax.
 
-    python benchmarks/bench_score.py [--model smollm2-135m] [--batch 32] [--tokens 256]
+    python benchmarks/bench_score.py [--model smollm2-135m] [--batch 32] [--tokens 256] [--rounds 3]
 
 Each variant runs in its own subprocess; peak memory is the growth of the process's max RSS
-over the scoring call itself (hidden states precomputed). Writes results/bench/score.json.
+over the scoring call itself (hidden states precomputed). Rounds interleave naive and chunked
+(A/B); each metric and each per-round ratio is reported as min/median/max over the rounds.
+Writes results/bench/score.json.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -58,48 +61,59 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--child", default=None)
     ap.add_argument("--grad", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a.child, a.model, a.batch, a.tokens, a.grad)))
         return
     rows = []
     for grad in (False, True):
-        for variant in ("naive", "chunked", "naive", "chunked"):  # interleaved A/B; best of 2
-            cmd = [
-                sys.executable,
-                __file__,
-                "--child",
-                variant,
-                "--model",
-                a.model,
-                "--batch",
-                str(a.batch),
-                "--tokens",
-                str(a.tokens),
-            ] + (["--grad"] if grad else [])
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    report = {"command": " ".join(sys.argv), "model": a.model, "B": a.batch, "T": a.tokens}
+        for r in range(a.rounds):
+            for variant in ("naive", "chunked"):  # interleaved A/B, one pair per round
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    variant,
+                    "--model",
+                    a.model,
+                    "--batch",
+                    str(a.batch),
+                    "--tokens",
+                    str(a.tokens),
+                ] + (["--grad"] if grad else [])
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "round": r})
+    report = {
+        "command": " ".join(["python", *sys.argv]),
+        "model": a.model,
+        "B": a.batch,
+        "T": a.tokens,
+        "rounds": a.rounds,
+    }
+
+    def mmm(xs: list[float]) -> dict[str, float]:
+        return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
     for grad in (False, True):
         sel = [r for r in rows if r["grad"] == grad]
-        best = {
-            v: {
-                k: sorted(r[k] for r in sel if r["variant"] == v)[0] for k in ("seconds", "peak_mb")
-            }
+        by = {
+            v: sorted((r for r in sel if r["variant"] == v), key=lambda r: r["round"])
             for v in ("naive", "chunked")
         }
+        mem = [n["peak_mb"] / max(c["peak_mb"], 1) for n, c in zip(by["naive"], by["chunked"])]
+        tim = [c["seconds"] / n["seconds"] for n, c in zip(by["naive"], by["chunked"])]
         key = "forward+backward" if grad else "forward (no grad: logp, entropy, Σp²)"
         report[key] = {
-            **best,
-            "memory_ratio_naive_over_chunked": best["naive"]["peak_mb"]
-            / max(best["chunked"]["peak_mb"], 1),
-            "time_ratio_chunked_over_naive": best["chunked"]["seconds"] / best["naive"]["seconds"],
+            **{v: {k: mmm([r[k] for r in by[v]]) for k in ("seconds", "peak_mb")} for v in by},
+            "memory_ratio_naive_over_chunked": mmm(mem),
+            "time_ratio_chunked_over_naive": mmm(tim),
         }
-        ratio = report[key]["memory_ratio_naive_over_chunked"]
+        m, t = mmm(mem), mmm(tim)
         print(
-            f"{key}: peak MB naive {best['naive']['peak_mb']:.0f} vs chunked "
-            f"{best['chunked']['peak_mb']:.0f} -> {ratio:.1f}x "
-            f"less; time chunked/naive {report[key]['time_ratio_chunked_over_naive']:.2f}"
+            f"{key}: peak memory naive/chunked median {m['median']:.1f}x "
+            f"(min {m['min']:.1f}, max {m['max']:.1f}); time chunked/naive median "
+            f"{t['median']:.2f} (min {t['min']:.2f}, max {t['max']:.2f}); {a.rounds} rounds"
         )
     out = Path("results/bench/score.json")
     out.parent.mkdir(parents=True, exist_ok=True)

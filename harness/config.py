@@ -93,6 +93,9 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     progress: bool = True
+    # staleness 0, one minibatch: reuse the training pass as π_old instead of a separate
+    # recompute (identical values; one forward fewer per step). False forces the recompute.
+    reuse_old_logp: bool = True
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)

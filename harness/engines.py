@@ -150,24 +150,36 @@ class Engine:
                 f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds the "
                 f"model context of {self.max_len} tokens; shorten the prompt or max_new_tokens"
             )
-        ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
+        cache = DynamicCache() if self.kv_cache else None
+        if n > 1 and cache is not None and self._can_share_prefix():
+            # shared prompt prefill: each prompt once, then its KV cache and next-token logits
+            # are repeated for its n samples (the same numbers a per-row prefill computes)
+            h = prefix_hash(ids, attn)
+            logits = self._next_logits(ids, attn, cache, h)
+            rep = torch.arange(ids.shape[0]).repeat_interleave(n)
+            cache.reorder_cache(rep)
+            logits, h, ids, attn = logits[rep], h[rep], ids[rep], attn[rep]
+        else:
+            ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
+            h = prefix_hash(ids, attn)
+            logits = self._next_logits(ids, attn, cache, h)
         prompt_ids, prompt_mask = ids, attn
         B = ids.shape[0]
         g = torch.Generator().manual_seed(seed)
         truncated = top_k > 0 or top_p < 1.0
-        cache = DynamicCache() if self.kv_cache else None
         done = torch.zeros(B, dtype=torch.bool)
         toks, mus, raws, masks, sups = [], [], [], [], []
-        h = prefix_hash(ids, attn)
-        logits = self._next_logits(ids, attn, cache, h)
+        # the law sampled from is the raw one when T = 1 and nothing is truncated: one log-softmax
+        plain = temperature == 1.0 and not truncated
         for step in trange(max_new_tokens, desc="sampling", disable=not progress, leave=False):
-            logp = process_logits(logits, temperature, top_k, top_p)
+            raw = logits.log_softmax(-1)
+            logp = raw if plain else process_logits(logits, temperature, top_k, top_p)
             tok = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
             tok = torch.where(done, self.pad_id, tok)
             toks.append(tok)
             masks.append(~done)
             mus.append(logp.gather(1, tok[:, None])[:, 0])
-            raws.append(logits.log_softmax(-1).gather(1, tok[:, None])[:, 0])
+            raws.append(raw.gather(1, tok[:, None])[:, 0])
             if truncated:
                 k = int(torch.isfinite(logp).sum(-1).max())
                 val, idx = torch.topk(logp, k, dim=-1)
@@ -206,15 +218,62 @@ class Engine:
 
     # --- trainer ---------------------------------------------------------------------------
 
+    def _can_share_prefix(self) -> bool:
+        """Prompt sharing (one prefill per distinct prompt, KV cache repeated) computes the same
+        numbers as per-row prefill, but noise models may key on rows or batch shape (fresh
+        noise, `batch`, routing records/replay): with any attached, every row runs in full."""
+        return not self.noise
+
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor, n_prompt: int) -> Tensor:
-        """Final-norm hidden states at the positions predicting tokens[:, n_prompt:]: [B, T, H]."""
-        with forward_context(prefix_hash(tokens, attention_mask)):
-            h = self.model.get_decoder()(
-                input_ids=tokens,
-                attention_mask=attention_mask,
-                position_ids=position_ids(attention_mask),
+        """Final-norm hidden states at the positions predicting tokens[:, n_prompt:]: [B, T, H].
+
+        Rows that share a prompt (GRPO groups) run the prompt once: a prefix forward over the
+        distinct prompts, its KV cache gathered per row (differentiable), then the responses.
+        Same values as the full forward up to float rounding; gradients flow through both."""
+        hash_BxS = prefix_hash(tokens, attention_mask)
+        pos = position_ids(attention_mask)
+        decoder = self.model.get_decoder()
+        groups = self._prompt_groups(tokens, attention_mask, n_prompt)
+        if groups is None:
+            with forward_context(hash_BxS):
+                h = decoder(input_ids=tokens, attention_mask=attention_mask, position_ids=pos)
+            return h.last_hidden_state[:, n_prompt - 1 : -1]
+        first, inv = groups
+        cache = DynamicCache()
+        with forward_context(hash_BxS[first, :n_prompt]):
+            h_pre = decoder(
+                input_ids=tokens[first, :n_prompt],
+                attention_mask=attention_mask[first, :n_prompt],
+                position_ids=pos[first, :n_prompt],
+                cache=cache,
+                use_cache=True,
             ).last_hidden_state
-        return h[:, n_prompt - 1 : -1]
+        cache.reorder_cache(inv)
+        with forward_context(hash_BxS[:, n_prompt:]):
+            h_resp = decoder(
+                input_ids=tokens[:, n_prompt:],
+                attention_mask=attention_mask,
+                position_ids=pos[:, n_prompt:],
+                cache=cache,
+                use_cache=True,
+            ).last_hidden_state
+        return torch.cat([h_pre[inv, -1:], h_resp[:, :-1]], 1)
+
+    def _prompt_groups(
+        self, tokens: Tensor, attention_mask: Tensor, n_prompt: int
+    ) -> tuple[Tensor, Tensor] | None:
+        """(one row index per distinct prompt [U], each row's prompt index [B]), or None when no
+        two rows share a prompt (or sharing is off)."""
+        if not self._can_share_prefix() or tokens.shape[0] < 2:
+            return None
+        m = attention_mask[:, :n_prompt].long()
+        key = torch.cat([tokens[:, :n_prompt] * m, m], 1)
+        uniq, inv = torch.unique(key, dim=0, return_inverse=True)
+        if uniq.shape[0] == tokens.shape[0]:
+            return None
+        first = torch.empty(uniq.shape[0], dtype=torch.long)
+        first.scatter_(0, inv, torch.arange(tokens.shape[0]))
+        return first, inv
 
     @torch.no_grad()
     def score(

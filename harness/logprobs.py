@@ -49,34 +49,54 @@ def process_logits(
 
 
 class _ChunkedLogp(torch.autograd.Function):
-    """log softmax(h W^T / T)[y] in position chunks; the backward recomputes each chunk's logits."""
+    """log softmax(h W^T / T)[y] in position chunks; the backward recomputes each chunk's logits.
+
+    When all positions fit in one chunk, the forward keeps that chunk's softmax for the backward
+    instead (memory: one chunk, the forward's own transient), which saves the recompute matmul."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, keep):
-        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    def forward(ctx, hidden, weight, targets, temperature, chunk, keep, stats):
+        n = hidden.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
-        for s in range(0, hidden.shape[0], chunk):
+        ent = torch.empty(n if stats else 0, dtype=torch.float32, device=hidden.device)
+        psq = torch.empty_like(ent)
+        keep_p = n <= chunk and any(ctx.needs_input_grad[:2])
+        p = None
+        for s in range(0, n, chunk):
             z = _chunk_logits(hidden[s : s + chunk], weight, temperature, keep, s, chunk)
             lse[s : s + chunk] = torch.logsumexp(z, -1)
             out[s : s + chunk] = (
                 z.gather(1, targets[s : s + chunk, None])[:, 0] - lse[s : s + chunk]
             )
-        ctx.save_for_backward(hidden, weight, targets, lse, keep)
+            if keep_p or stats:
+                logp_all = z.sub_(lse[s : s + chunk, None])
+                if stats:  # the same formulas as chunked_stats (−inf outside a kept support)
+                    q = logp_all.exp()
+                    ent[s : s + chunk] = -(q * logp_all.nan_to_num(neginf=0.0)).sum(-1)
+                    psq[s : s + chunk] = (q * q).sum(-1)
+                if keep_p:
+                    p = logp_all.exp_()
+        ctx.save_for_backward(hidden, weight, targets, lse, keep, p)
         ctx.temperature, ctx.chunk = temperature, chunk
-        return out
+        ctx.mark_non_differentiable(ent, psq)
+        return out, ent, psq
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, targets, lse, keep = ctx.saved_tensors
+    def backward(ctx, grad_out, *_):
+        hidden, weight, targets, lse, keep, p = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            z = _chunk_logits(h, weight, t, keep, s, chunk)
             g = grad_out[s : s + chunk, None]
             # d logp_y / d z = onehot(y) − softmax(z); then / T for the temperature
-            dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g)
+            if p is not None:
+                dz = p.mul(-g)
+            else:
+                z = _chunk_logits(h, weight, t, keep, s, chunk)
+                dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g)
             dz.scatter_add_(1, targets[s : s + chunk, None], g)
             dz.div_(t)
             if grad_h is not None:
@@ -85,7 +105,7 @@ class _ChunkedLogp(torch.autograd.Function):
                 grad_w.addmm_(dz.t(), h.float())
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _chunk_logits(h, weight, temperature, keep, s, chunk):
@@ -102,13 +122,22 @@ def chunked_logp(
     temperature: float = 1.0,
     keep: Tensor | None = None,
     chunk: int = DEFAULT_CHUNK,
-) -> Tensor:
+    with_stats: bool = False,
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """log π(y) for [N, H] hidden states under lm_head `weight` [V, H]; differentiable in both.
 
     `keep` ([N, V] bool) restricts the softmax to the sampler's support (top-k/top-p mask replay).
+    `with_stats`: also return {"entropy", "p_sq_sum", "p_t"} (detached, as `chunked_stats`
+    computes them) from the same forward, so a trainer pass that doubles as π_old (staleness 0,
+    one minibatch) needs no separate scoring pass.
     """
     keep_t = keep if keep is not None else torch.empty(0, dtype=torch.bool, device=hidden.device)
-    return _ChunkedLogp.apply(hidden, weight, targets, float(temperature), int(chunk), keep_t)
+    logp, ent, psq = _ChunkedLogp.apply(
+        hidden, weight, targets, float(temperature), int(chunk), keep_t, bool(with_stats)
+    )
+    if not with_stats:
+        return logp
+    return logp, {"entropy": ent, "p_sq_sum": psq, "p_t": logp.detach().exp()}
 
 
 @torch.no_grad()

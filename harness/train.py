@@ -105,14 +105,24 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, kind: str) -> t
     return adv
 
 
-def trainer_logp(engine: Engine, ro: Rollout, rows: torch.Tensor, keep: torch.Tensor | None):
-    """log π_θ of the sampled tokens with grad (chunked fused log-softmax), [b, T]."""
+def trainer_logp(
+    engine: Engine,
+    ro: Rollout,
+    rows: torch.Tensor,
+    keep: torch.Tensor | None,
+    with_stats: bool = False,
+):
+    """log π_θ of the sampled tokens with grad (chunked fused log-softmax), [b, T]; with_stats
+    also returns the detached per-token `p_t`, `entropy`, `p_sq_sum` of the same pass."""
     h = engine.hidden_states(ro.tokens[rows], ro.attention_mask[rows], ro.n_prompt)
     b, T, H = h.shape
     targets = ro.response_ids[rows].reshape(-1)
     k = keep.view(-1, T, keep.shape[-1])[rows].reshape(b * T, -1) if keep is not None else None
     w = engine.model.get_output_embeddings().weight
-    return chunked_logp(h.reshape(b * T, H), w, targets, ro.temperature, k).view(b, T)
+    out = chunked_logp(h.reshape(b * T, H), w, targets, ro.temperature, k, with_stats=with_stats)
+    if not with_stats:
+        return out.view(b, T)
+    return out[0].view(b, T), {key: v.view(b, T) for key, v in out[1].items()}
 
 
 def student_teacher_logits(student: Engine, teacher, ro: Rollout, rows, teacher_ids, teacher_mask):
@@ -282,6 +292,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         lr=cfg.optim.lr,
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         weight_decay=cfg.optim.weight_decay,
+        fused=True,  # one kernel over all parameters: ~4× faster step on smollm2 (CPU, bench)
     )
     history = WeightHistory(cfg.alpha.staleness)
     history.push(model)
@@ -312,6 +323,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(
             f"engine.logp_old_source={cfg.engine.logp_old_source!r}; valid: 'trainer', 'sampler'"
         )
+    reuse_old = (
+        cfg.reuse_old_logp
+        and cfg.alpha.staleness == 0
+        and cfg.alpha.minibatches == 1
+        and cfg.engine.logp_old_source == "trainer"
+        and teacher is None
+        and not cfg.engine.routing_replay  # score_rollout is what sets the replay indices
+    )
     for step in bar:
         t0 = time.time()
         # --- rollout: μ samples G responses per prompt -----------------------------------------
@@ -333,16 +352,31 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
         adv = group_advantages(rewards, ro.prompt_index, cfg.advantage)
 
+        keep = None
+        if cfg.engine.mask_replay and ro.support is not None:
+            B, T = ro.response_ids.shape
+            keep = support_mask(ro.support.reshape(B * T, -1), model.config.vocab_size)
+            keep[torch.arange(B * T), ro.response_ids.reshape(-1)] = True
+            keep = keep.view(B, T, -1)
+
         # --- trainer recompute of logp_old at the behaviour weights -----------------------------
         # With staleness the trainer's current weights are ahead of the behaviour weights; π_old
         # is the trainer at the weights the sampler used (decoupled PPO's behaviour policy).
-        cur = None
-        if history.lag() > 0:
-            cur = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            model.load_state_dict(history.behaviour())
-        sc = trainer.score_rollout(ro, mask_replay=cfg.engine.mask_replay)
-        if cur is not None:
-            model.load_state_dict(cur)
+        # At staleness 0 with one minibatch θ = θ_old, so the training pass doubles as the
+        # recompute (π_old := sg(π_θ), as TRL does): one trainer forward fewer per step.
+        all_rows = torch.arange(ro.response_ids.shape[0])
+        logp_first = None
+        if reuse_old:
+            logp_first, sc = trainer_logp(trainer, ro, all_rows, keep, with_stats=True)
+            sc["logp"] = logp_first.detach()
+        else:
+            cur = None
+            if history.lag() > 0:
+                cur = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                model.load_state_dict(history.behaviour())
+            sc = trainer.score_rollout(ro, mask_replay=cfg.engine.mask_replay)
+            if cur is not None:
+                model.load_state_dict(cur)
         batch = TokenBatch(
             tokens=ro.response_ids,
             mask=ro.response_mask,
@@ -357,12 +391,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             group_id=ro.prompt_index,
             seq_id=torch.arange(ro.response_ids.shape[0]),
         )
-        keep = None
-        if cfg.engine.mask_replay and ro.support is not None:
-            B, T = ro.response_ids.shape
-            keep = support_mask(ro.support.reshape(B * T, -1), model.config.vocab_size)
-            keep[torch.arange(B * T), ro.response_ids.reshape(-1)] = True
-            keep = keep.view(B, T, -1)
         if teacher is not None:
             t_prompts = [
                 cfg.distill.teacher_prompt.format(prompt=p.prompt, solution=p.solution)
@@ -376,14 +404,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         step_metrics: list[dict[str, float]] = []
         skipped = 0
         model.train()
-        for rows, lag in minibatch_schedule(len(rewards), cfg.alpha.minibatches, seed=step):
+        schedule = minibatch_schedule(len(rewards), cfg.alpha.minibatches, seed=step)
+        if reuse_old:
+            schedule = [(all_rows, 0)]
+        for rows, lag in schedule:
             if teacher is not None:
                 s_logits, t_logits = student_teacher_logits(
                     trainer, teacher, ro, rows, t_ids[rows], t_mask[rows]
                 )
                 out = objective(s_logits, t_logits, batch.mask[rows])
             else:
-                logp = trainer_logp(trainer, ro, rows, keep)
+                logp = logp_first if reuse_old else trainer_logp(trainer, ro, rows, keep)
                 if (
                     hasattr(objective, "calibrate")
                     and lag == 0

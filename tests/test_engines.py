@@ -175,3 +175,62 @@ def test_routing_record_and_replay_cut_the_mismatch(tiny_moe):
     err_plain = (plain - ro.logp_mu)[m].abs().mean()
     err_replay = (replayed - ro.logp_mu)[m].abs().mean()
     assert err_replay < 0.5 * err_plain, (err_plain, err_replay)
+
+
+# --- issue 9 fast path: a shared prompt prefix must not change the numbers ---------------------
+
+
+def _fast_paths_off(eng: Engine) -> Engine:
+    eng._can_share_prefix = lambda: False
+    return eng
+
+
+def test_shared_prompt_prefill_equals_the_per_row_path(tiny_llama):
+    model, tok = _sharpened(tiny_llama)  # GQA: 4 heads, 2 KV heads
+    kw = dict(n=3, max_new_tokens=10, seed=4)
+    for sampling in (dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=20)):
+        fast = Engine(model, tok).generate(["12+3=", "hello wo", "x"], **kw, **sampling)
+        slow = _fast_paths_off(Engine(model, tok)).generate(
+            ["12+3=", "hello wo", "x"], **kw, **sampling
+        )
+        assert torch.equal(fast.response_ids, slow.response_ids)
+        assert (fast.logp_mu - slow.logp_mu).abs().max() <= 1e-5
+        assert (fast.logp_mu_raw - slow.logp_mu_raw).abs().max() <= 1e-5
+        assert torch.equal(fast.prompt_ids, slow.prompt_ids)
+        assert torch.equal(fast.prompt_mask, slow.prompt_mask)
+
+
+def test_shared_prompt_prefix_trainer_forward_and_grad_equal_full_forward(tiny_llama):
+    model, tok = tiny_llama
+    eng = Engine(model, tok)
+    ro = eng.generate(["12+3=", "hello wo", "x"], n=3, max_new_tokens=8, seed=3)
+    assert eng._prompt_groups(ro.tokens, ro.attention_mask, ro.n_prompt)[0].numel() == 3
+    w = torch.randn(ro.response_ids.shape + (model.config.hidden_size,))
+    grads, hs = [], []
+    for e in (eng, _fast_paths_off(Engine(model, tok))):
+        model.zero_grad()
+        h = e.hidden_states(ro.tokens, ro.attention_mask, ro.n_prompt)
+        (h * w).sum().backward()
+        hs.append(h.detach())
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    assert (hs[0] - hs[1]).abs().max() <= 1e-5
+    assert grads[0].keys() == grads[1].keys() and len(grads[1]) > 10
+    for k in grads[1]:
+        scale = grads[1][k].abs().max().clamp_min(1e-8)
+        assert (grads[0][k] - grads[1][k]).abs().max() / scale <= 1e-4, k
+    # distinct prompts: no sharing, the plain full forward
+    assert eng._prompt_groups(ro.tokens[::3], ro.attention_mask[::3], ro.n_prompt) is None
+
+
+def test_fast_paths_are_off_while_noise_is_attached(tiny_llama):
+    from harness.noise import build_noise
+
+    model, tok = tiny_llama
+    eng = Engine(model, tok, noise=[build_noise("layer", sigma=1e-3)])
+    try:
+        assert not eng._can_share_prefix()
+        ro = eng.generate(["ab", "cd"], n=2, max_new_tokens=3, seed=0)
+        assert eng._prompt_groups(ro.tokens, ro.attention_mask, ro.n_prompt) is None
+    finally:
+        eng.close()
+    assert Engine(model, tok)._can_share_prefix()

@@ -58,3 +58,64 @@ def test_chunked_stats_by_hand():
     assert s["p_t"].item() == pytest.approx(0.25)
     assert s["entropy"].item() == pytest.approx(1.5 * torch.log(torch.tensor(2.0)).item())
     assert s["p_sq_sum"].item() == pytest.approx(0.375)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("use_keep", [False, True])
+def test_chunked_logp_single_chunk_keeps_softmax_same_value_and_grad(temperature, use_keep):
+    """N ≤ chunk: the backward reuses the forward's softmax; equal to the recompute path and to
+    the naive log-softmax, and a second backward (retain_graph) gives the same gradient."""
+    N, H, V = 37, 8, 50
+    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, V, (N,))
+    keep = torch.rand(N, V) < 0.5 if use_keep else None
+    if keep is not None:
+        keep[torch.arange(N), y] = True
+    g = torch.randn(N, dtype=torch.float64)
+    grads = []
+    for chunk in (64, 8):  # single chunk (kept softmax), then several (recompute)
+        out = chunked_logp(h, W, y, temperature, keep, chunk=chunk)
+        loss = (out * g).sum()
+        loss.backward(retain_graph=True)
+        grads.append((out.detach(), h.grad.clone(), W.grad.clone()))
+        h.grad = W.grad = None
+        loss.backward()
+        assert torch.allclose(h.grad, grads[-1][1]) and torch.allclose(W.grad, grads[-1][2])
+        h.grad = W.grad = None
+    z = (h @ W.t()) / temperature
+    if keep is not None:
+        z = z.masked_fill(~keep, float("-inf"))
+    ref = z.log_softmax(-1).gather(1, y[:, None])[:, 0]
+    (ref * g).sum().backward()
+    for out, gh, gW in grads:
+        assert torch.allclose(out.double(), ref, atol=1e-5)
+        assert torch.allclose(gh, h.grad, atol=1e-5)
+        assert torch.allclose(gW, W.grad, atol=1e-5)
+    with torch.no_grad():  # no grad needed: nothing kept
+        assert torch.allclose(chunked_logp(h, W, y, temperature, keep, chunk=64).double(), ref)
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+@pytest.mark.parametrize("use_keep", [False, True])
+def test_chunked_logp_with_stats_equals_chunked_stats(chunk, use_keep):
+    """The trainer pass's detached stats are the scoring pass's numbers (so a trainer forward at
+    staleness 0 can stand in for the π_old recompute); asking for them leaves logp/grad as is."""
+    N, H, V, temperature = 37, 8, 50, 0.8
+    head = torch.nn.Linear(H, V, bias=False)
+    h = torch.randn(N, H, requires_grad=True)
+    y = torch.randint(0, V, (N,))
+    keep = torch.rand(N, V) < 0.5 if use_keep else None
+    if keep is not None:
+        keep[torch.arange(N), y] = True
+    logp, st = chunked_logp(h, head.weight, y, temperature, keep, chunk=chunk, with_stats=True)
+    ref = chunked_stats(h.detach(), head, y, temperature, keep, chunk=chunk)
+    for k in ("entropy", "p_sq_sum", "p_t"):
+        assert not st[k].requires_grad
+        assert torch.allclose(st[k], ref[k], atol=1e-6), k
+    assert torch.allclose(logp.detach(), ref["logp"], atol=1e-6)
+    logp.sum().backward()
+    g_stats = h.grad.clone()
+    h.grad = None
+    chunked_logp(h, head.weight, y, temperature, keep, chunk=chunk).sum().backward()
+    assert torch.equal(g_stats, h.grad)

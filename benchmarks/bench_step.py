@@ -1,0 +1,387 @@
+"""Step time of ratiolab's GRPO step vs TRL's GRPOTrainer on the same work (issue 9, item 1).
+
+    python benchmarks/bench_step.py --model tiny --pairs 7
+    python benchmarks/bench_step.py --model smollm2-135m --pairs 5
+
+Same work on both sides: 8 prompts × 4 generations, 32 new tokens (EOS disabled on both, so every
+row is 32 tokens), T = 1, no top-k/top-p, `ppo_clip` with ε = 0.2/0.28 and token-mean aggregation
+(TRL: loss_type="dapo", beta=0, num_iterations=1), fp32, one AdamW step with grad-norm clip 1.0,
+no noise. TRL runs without gradient checkpointing (its default is on, which is slower), so the
+comparison is against TRL's fastest configuration for this work.
+
+Both run in one process, interleaved: TRL's `train()` runs warm-up + pairs steps, and a callback
+times each TRL step (on_step_begin → on_step_end) and then runs and times one ratiolab step per
+variant. The ratiolab step is `harness.train.run`'s per-step work built from the same functions:
+`Engine.generate` (the sampler's own copy of the weights), `group_advantages`,
+`Engine.score_rollout` (the trainer's π_old recompute), `trainer_logp`, the registered objective,
+AdamW, `WeightHistory.push` and the weight sync to the sampler. Variant `skip_old` skips the
+π_old recompute (π_old := detached π_θ, with p_t / entropy / Σp² from the same trainer pass via
+`chunked_logp(with_stats=True)`), as TRL does when each rollout batch is used once; it is valid
+only with staleness 0 and one minibatch. Variant `before` is `loop` with the engine's
+issue-9 fast path off (shared prompt prefill/prefix): the before/after of the speed
+work, interleaved in the same run. Writes results/bench/step_<model>.json (every pair, phase
+medians) and refreshes results/bench/step.json (all models' ratios, min/median/max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from harness.alpha import WeightHistory
+from harness.batch import TokenBatch
+from harness.engines import Engine
+from harness.logprobs import chunked_logp
+from harness.objectives import build_objective
+from harness.tasks import arithmetic
+from harness.train import group_advantages, trainer_logp
+
+N_PROMPTS, GROUP, NEW_TOKENS = 8, 4, 32
+EPS_LOW, EPS_HIGH, LR, CLIP = 0.2, 0.28, 1e-6, 1.0
+# smollm2: an instruction prefix so prompts are ~40 tokens (the issue's setting, ≤ 64)
+INSTRUCTION = (
+    "You are a careful assistant. Solve the arithmetic problem below, showing the carries digit "
+    "by digit, and finish with the final answer on its own line. Problem: "
+)
+
+
+def load(spec: str):
+    if spec == "tiny":
+        from harness.warmstart import load_task_model
+
+        model, tok = load_task_model("arithmetic", progress=False)
+        return model, tok, ""
+    from harness.models import load_model
+
+    model, tok = load_model(spec)
+    return model, tok, INSTRUCTION
+
+
+class RatiolabStep:
+    """One GRPO step of `harness.train.run` (clean, staleness 0, one minibatch), metrics aside.
+
+    The variants share one model/optimizer/sampler state (the work does not depend on the
+    weight values), which keeps SmolLM2 runs within this machine's memory."""
+
+    def __init__(self, model, tok, task):
+        self.model = model
+        self.trainer = Engine(model, tok)
+        self.sampler = Engine(copy.deepcopy(model), tok)
+        self.sampler.eos_ids = torch.empty(0, dtype=torch.long)  # all rows run 32 tokens
+        self.tok, self.task = tok, task
+        self.objective = build_objective(
+            "ppo_clip", eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation="token-mean"
+        )
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99))
+        self.history = WeightHistory(0)
+        self.history.push(model)
+
+    def __call__(self, problems, prompts, seed: int, variant: str) -> dict[str, float]:
+        if variant == "before":  # the engine before issue 9: no prompt sharing, HF decode steps
+            for eng in (self.trainer, self.sampler):
+                eng._can_share_prefix = lambda: False
+        try:
+            return self._step(problems, prompts, seed, skip_old=variant == "skip_old")
+        finally:
+            for eng in (self.trainer, self.sampler):
+                eng.__dict__.pop("_can_share_prefix", None)
+
+    def _step(self, problems, prompts, seed: int, skip_old: bool) -> dict[str, float]:
+        t: dict[str, float] = {}
+        t0 = time.perf_counter()
+        ro = self.sampler.generate(prompts, n=GROUP, max_new_tokens=NEW_TOKENS, seed=seed)
+        texts = self.tok.batch_decode(
+            ro.response_ids * ro.response_mask.long(), skip_special_tokens=True
+        )
+        rewards = torch.tensor(
+            [self.task.reward(problems[i], s) for i, s in zip(ro.prompt_index.tolist(), texts)]
+        )
+        adv = group_advantages(rewards, ro.prompt_index, "grpo")
+        t["generate"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        rows = torch.arange(ro.response_ids.shape[0])
+        self.model.train()
+        if not skip_old:
+            sc = self.trainer.score_rollout(ro)
+            t["logp_old"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+        if skip_old:
+            logp, st = trainer_logp_with_stats(self.trainer, ro, rows)
+        else:
+            logp = trainer_logp(self.trainer, ro, rows, None)
+            st = sc
+        batch = TokenBatch(
+            tokens=ro.response_ids,
+            mask=ro.response_mask,
+            logp_old=logp.detach() if skip_old else sc["logp"],
+            logp_mu=ro.logp_mu,
+            advantages=adv[:, None].expand_as(ro.logp_mu).contiguous() * ro.response_mask,
+            p_t=st["p_t"],
+            entropy=st["entropy"],
+            p_sq_sum=st["p_sq_sum"],
+            group_id=ro.prompt_index,
+            seq_id=rows,
+        )
+        out = self.objective(logp, batch.index(rows))
+        t["loss_forward"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        t["backward"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        self.opt.step()
+        self.history.push(self.model)
+        self.model.eval()
+        self.sampler.load_weights_from_state(self.history.behaviour())
+        t["optimizer+sync"] = time.perf_counter() - t1
+        t["step"] = time.perf_counter() - t0
+        return t
+
+
+def trainer_logp_with_stats(engine: Engine, ro, rows):
+    """`harness.train.trainer_logp` with `chunked_logp(..., with_stats=True)`: the trainer pass
+    also yields π_old's p_t / entropy / Σp² (the change proposed for the loop at staleness 0 with
+    one minibatch, where π_old := sg(π_θ) and the separate scoring pass is skipped)."""
+    h = engine.hidden_states(ro.tokens[rows], ro.attention_mask[rows], ro.n_prompt)
+    b, T, H = h.shape
+    w = engine.model.get_output_embeddings().weight
+    logp, st = chunked_logp(
+        h.reshape(b * T, H),
+        w,
+        ro.response_ids[rows].reshape(-1),
+        ro.temperature,
+        None,
+        with_stats=True,
+    )
+    return logp.view(b, T), {k: v.view(b, T) for k, v in st.items()}
+
+
+def build_trl(model, tok, problems, prompts, steps: int, out_dir: str, grad_ckpt: bool):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward(prompts, completions, idx, **_):
+        return [TASK.reward(problems[i], c) for i, c in zip(idx, completions)]
+
+    ds = Dataset.from_dict({"prompt": prompts, "idx": list(range(len(prompts)))})
+    args = GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=N_PROMPTS * GROUP,
+        gradient_accumulation_steps=1,
+        num_generations=GROUP,
+        max_completion_length=NEW_TOKENS,
+        generation_kwargs={"min_new_tokens": NEW_TOKENS},  # EOS disabled: every row 32 tokens
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        loss_type="dapo",
+        epsilon=EPS_LOW,
+        epsilon_high=EPS_HIGH,
+        scale_rewards="group",
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        adam_beta2=0.99,
+        weight_decay=0.0,
+        max_grad_norm=CLIP,
+        max_steps=steps,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=grad_ckpt,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok
+    )
+
+
+TASK = arithmetic(digits=2, ops="+-")
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+
+
+def write_summary(folder: Path) -> Path:
+    """results/bench/step.json: per model, the command and every ratio's min/median/max, gathered
+    from the step_<model>.json files of the latest run per model."""
+    summary_ = {}
+    for f in sorted(folder.glob("step_*.json")):
+        r = json.loads(f.read_text())
+        summary_[r["model"]] = {
+            "command": r["command"],
+            "file": str(f),
+            "pairs": r["pairs"],
+            "threads": r["threads"],
+            "trl_step_s": r["trl_step_s"],
+            **{k: v for k, v in r.items() if k.startswith("ratio_")},
+            **{k: v for k, v in r.items() if k.startswith("ratiolab_") and k.endswith("_step_s")},
+        }
+    out = folder / "step.json"
+    out.write_text(json.dumps(summary_, indent=2) + "\n")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--model", default="tiny", help="tiny (the arithmetic task model) | smollm2-135m"
+    )
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--variants",
+        default="loop,skip_old,before",
+        help="ratiolab variants: loop (as harness.train runs), skip_old (no π_old recompute), "
+        "before (loop with the issue-9 engine fast paths off)",
+    )
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+
+    base, tok, prefix = load(a.model)
+    steps = a.warmup + a.pairs
+    problems = TASK.sample(N_PROMPTS * steps, "train", 0)
+    prompts = [prefix + p.prompt for p in problems]
+    n_prompt_tok = [len(tok(p, add_special_tokens=False).input_ids) for p in prompts]
+    assert max(n_prompt_tok) <= 64, max(n_prompt_tok)
+
+    variants = a.variants.split(",")
+    ratiolab = RatiolabStep(copy.deepcopy(base), tok, TASK)
+    trl_model = copy.deepcopy(base).train()
+    del base
+    import tempfile
+
+    from transformers import TrainerCallback
+
+    trl_phase: dict[str, float] = {}
+    rows: list[dict] = []
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build_trl(
+            trl_model, tok, problems, prompts, steps, tmp, a.trl_gradient_checkpointing
+        )
+        ckpt_active = bool(getattr(trl_model, "is_activation_checkpointing", False))
+        for name in ("_generate_and_score_completions", "_compute_loss"):
+            fn = getattr(trainer, name)
+
+            def timed(*args, _fn=fn, _name=name, **kw):
+                t = time.perf_counter()
+                r = _fn(*args, **kw)
+                trl_phase[_name] = time.perf_counter() - t
+                return r
+
+            setattr(trainer, name, timed)
+
+        class Interleave(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                self.t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                dt = time.perf_counter() - self.t0
+                i = state.global_step - 1
+                row = {
+                    "i": i,
+                    "warmup": i < a.warmup,
+                    "trl": {
+                        "step": dt,
+                        "generate+score": trl_phase.get("_generate_and_score_completions"),
+                        "loss_forward": trl_phase.get("_compute_loss"),
+                    },
+                }
+                sel = problems[N_PROMPTS * i : N_PROMPTS * (i + 1)]
+                for v in variants:
+                    row[v] = ratiolab(sel, [prefix + p.prompt for p in sel], seed=i, variant=v)
+                rows.append(row)
+                print(
+                    json.dumps(
+                        {
+                            k: (round(x["step"], 3) if isinstance(x, dict) else x)
+                            for k, x in row.items()
+                        }
+                    ),
+                    flush=True,
+                )
+
+        trainer.add_callback(Interleave())
+        trainer.train()
+        ckpt_active = bool(getattr(trl_model, "is_activation_checkpointing", ckpt_active))
+
+    timed_rows = [r for r in rows if not r["warmup"]]
+    trl_t = [r["trl"]["step"] for r in timed_rows]
+    report = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "model": a.model,
+        "work": {
+            "prompts": N_PROMPTS,
+            "group": GROUP,
+            "new_tokens": NEW_TOKENS,
+            "prompt_tokens_max": max(n_prompt_tok),
+            "prompt_tokens_mean": statistics.mean(n_prompt_tok),
+            "objective": "ppo_clip eps 0.2/0.28 token-mean == TRL loss_type=dapo, beta=0",
+        },
+        "threads": a.threads,
+        "trl_gradient_checkpointing": a.trl_gradient_checkpointing,
+        "trl_checkpointing_active_after_train": ckpt_active,
+        "versions": {
+            "torch": torch.__version__,
+            "trl": __import__("trl").__version__,
+            "transformers": __import__("transformers").__version__,
+        },
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "nproc": os.cpu_count(),
+            "loadavg_end": os.getloadavg(),
+        },
+        "pairs": len(timed_rows),
+        "trl_step_s": summary(trl_t),
+        "trl_phases_median_s": {
+            k: statistics.median(r["trl"][k] for r in timed_rows)
+            for k in ("generate+score", "loss_forward")
+        },
+    }
+    for v in variants:
+        rt = [r[v]["step"] for r in timed_rows]
+        report[f"ratiolab_{v}_step_s"] = summary(rt)
+        report[f"ratiolab_{v}_phases_median_s"] = {
+            k: statistics.median(r[v][k] for r in timed_rows) for k in timed_rows[0][v]
+        }
+        # per pair: each ratiolab step against the TRL step it was interleaved with
+        report[f"ratio_{v}_over_trl"] = summary([x / y for x, y in zip(rt, trl_t)])
+    report["rows"] = rows
+    out = Path(a.out or f"results/bench/step_{a.model}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for v in variants:
+        s = report[f"ratio_{v}_over_trl"]
+        print(
+            f"[{a.model}] ratiolab({v}) / TRL step time: median {s['median']:.3f} "
+            f"(min {s['min']:.3f}, max {s['max']:.3f}, {s['n']} pairs); TRL median "
+            f"{report['trl_step_s']['median']:.3f} s, ratiolab median "
+            f"{report[f'ratiolab_{v}_step_s']['median']:.3f} s"
+        )
+    print(f"wrote {out} and {write_summary(out.parent)}")
+
+
+if __name__ == "__main__":
+    main()
