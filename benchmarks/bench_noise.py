@@ -76,8 +76,9 @@ def main() -> None:
     fp8 = build_noise("fp8")
     t = time.perf_counter()
     fp8.attach(model)
-    print(f"FP8 weight quantisation at attach (once per weight sync): "
-          f"{time.perf_counter() - t:.2f} s")
+    print(
+        f"FP8 weight quantisation at attach (once per weight sync): {time.perf_counter() - t:.2f} s"
+    )
     fp8.detach()
 
     dense = {
@@ -86,8 +87,7 @@ def main() -> None:
         "batch (all layers)": lambda: build_noise("batch", sigma=1e-3),
         "logit gaussian": lambda: build_noise("logit", sigma=0.1),
         "logit student-t nu=3": lambda: build_noise("logit", sigma=0.1, nu=3.0),
-        "layer fresh (not determ.)": lambda: build_noise("layer", sigma=2e-3,
-                                                         deterministic=False),
+        "layer fresh (not determ.)": lambda: build_noise("layer", sigma=2e-3, deterministic=False),
     }
     for decode in (False, True):
         med = bench(model, x, dense, a.repeats, decode)
@@ -96,10 +96,12 @@ def main() -> None:
     # FP8: weights quantised once, outside the timed region (a model kept attached)
     for decode in (False, True):
         med = {}
-        for name, kw in [("clean", None), ("fp8 weight-only tensor", {}),
-                         ("fp8 W8A8 block 128", dict(granularity="block", activations=True)),
-                         ("fp8 W8A8 row + KV", dict(granularity="row", activations=True,
-                                                    kv_cache=True))]:
+        for name, kw in [
+            ("clean", None),
+            ("fp8 weight-only tensor", {}),
+            ("fp8 W8A8 block 128", dict(granularity="block", activations=True)),
+            ("fp8 W8A8 row + KV", dict(granularity="row", activations=True, kv_cache=True)),
+        ]:
             noise = None if kw is None else build_noise("fp8", **kw)
             if noise is not None:
                 noise.attach(model)
