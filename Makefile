@@ -44,5 +44,15 @@ bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~35 mi
 	$(PY) benchmarks/bench_step.py --model smollm2-135m --pairs 4
 	$(PY) benchmarks/bench_flops.py --pairs 5
 
+figures: $(STAMP)  ## every figure from the committed CSVs under results/ (< 2 min)
+	$(PY) -m analysis.noise_anatomy results/measure
+	$(PY) -m analysis.snr_table results/measure
+	$(PY) -m analysis.layer_amplification results/measure
+	$(PY) -m analysis.collapse_reject_vs_clamp
+	$(PY) -m analysis.fp8_entropy_surge
+	$(PY) -m analysis.opsd_repetition
+	$(PY) -m analysis.nsr_vs_decay
+	$(PY) -m analysis.phase_diagram
+
 clean-venv:
 	rm -rf $(VENV)

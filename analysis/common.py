@@ -28,8 +28,9 @@ def savefig(fig: plt.Figure, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     png, pdf = (path.parent / f"{path.name}{ext}" for ext in (".png", ".pdf"))
-    fig.savefig(png, dpi=150)
-    fig.savefig(pdf)
+    # no timestamps in the files: regenerating unchanged data leaves git clean
+    fig.savefig(png, dpi=150, metadata={"Software": None})
+    fig.savefig(pdf, metadata={"CreationDate": None, "Producer": None})
     plt.close(fig)
     return png
 

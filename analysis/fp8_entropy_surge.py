@@ -1,0 +1,42 @@
+"""Figure: entropy surge under an FP8 sampler with π_old := μ (Calibrated Clipping §3).
+
+python -m analysis.fp8_entropy_surge [--results DIR]   # reads results/<exp>/summary.csv
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import seaborn as sns
+
+from analysis.common import savefig, set_theme
+from analysis.runs import curve, load_summary, results_root, smooth
+
+EXP = "fp8_entropy_surge"
+ARMS = ["high precision", "FP8 (std clip)", "FP8 E5M2 W8A8 (std clip)", "FP8 + TIS"]
+ARMS += ["FP8 + calibrated", "FP8 + CIS"]
+PANELS = [  # column, title, y label, arms shown
+    ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)", ARMS),
+    ("reward_mean", "Training reward (5-step mean)", "mean reward", ARMS),
+    ("eval_acc", "Held-out accuracy", "accuracy (128 problems)", ARMS),
+    ("clip_frac_low", "Mechanism: A<0 clipped at 1−ε", "fraction of tokens", ARMS[:3]),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    root = results_root(argv)
+    df = load_summary(root, EXP)
+    df = smooth(df[df.complete], ["entropy_mean", "reward_mean", "clip_frac_low"])
+    set_theme()
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(19, 4.2))
+    for ax, (col, title, ylabel, arms) in zip(axes, PANELS):
+        curve(ax, df[df.arm.isin(arms)], col, ARMS, legend=ax in (axes[0], axes[-1]))
+        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel, ylim=(0, None))
+    for ax in (axes[0], axes[-1]):
+        sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
+    n = df.groupby("arm").seed.nunique().min()
+    fig.suptitle(f"FP8 (E4M3) sampler vs high precision, task model; mean, 95% t-CI, {n} seeds")
+    savefig(fig, root / EXP / "fig_fp8_entropy_surge")
+
+
+if __name__ == "__main__":
+    main()

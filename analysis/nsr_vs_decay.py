@@ -1,0 +1,43 @@
+"""Figure: NSR vs hard clip vs deterministic decay vs push-zone control (seed NSR §1).
+
+python -m analysis.nsr_vs_decay [--results DIR]   # reads results/<exp>/summary.csv
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import seaborn as sns
+
+from analysis.common import savefig, set_theme
+from analysis.runs import curve, load_summary, results_root, smooth
+
+EXP = "nsr_vs_decay"
+ARMS = ["hard clip", "NSR", "deterministic decay", "push control"]
+PANELS = [  # column, title, y label
+    ("eval_acc", "Held-out accuracy", "accuracy (128 problems)"),
+    ("reward_mean", "Training reward (5-step mean)", "mean reward"),
+    ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)"),
+    ("clip_frac", "Clipped tokens (low + high)", "fraction of tokens"),
+    ("rescue_frac", "Rescued / pushed tokens", "fraction of tokens"),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    root = results_root(argv)
+    df = load_summary(root, EXP)
+    df = df[df.complete].assign(clip_frac=lambda d: d.clip_frac_low + d.clip_frac_high)
+    df = smooth(df, [c for c, *_ in PANELS[1:]])
+    set_theme()
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(22, 4.2))
+    for ax, (col, title, ylabel) in zip(axes, PANELS):
+        curve(ax, df, col, ARMS, legend=ax is axes[0])
+        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel, ylim=(0, None))
+    for ax in (axes[0],):
+        sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
+    n = df.groupby("arm").seed.nunique().min()
+    fig.suptitle(f"Gaussian logit noise σ=0.3, π_old := μ, task model; mean, 95% t-CI, {n} seeds")
+    savefig(fig, root / EXP / "fig_nsr_vs_decay")
+
+
+if __name__ == "__main__":
+    main()

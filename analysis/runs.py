@@ -1,0 +1,113 @@
+"""Training runs → tidy frames, for the training figures (issue 8).
+
+Raw run folders `results/<experiment>/<override_dirname>/` (config.yaml +
+metrics.jsonl, git-ignored) are reduced by `analysis/summarize.py` to one committed
+`results/<experiment>/summary.csv`; the
+figure scripts read only that CSV, through `load_summary`. Shared plotting helpers (theme,
+`savefig`) come from `analysis/common.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+# metrics.jsonl keys kept in summary.csv ('/' → '_')
+METRICS = [
+    "reward/mean", "eval/acc", "entropy/mean", "response/len", "clip/frac_low", "clip/frac_high",
+    "mask/frac", "rescue/frac", "dial/out_of_band_frac", "dial/mean_abs_delta", "is/weight_mean",
+    "kl/k3", "repetition/terminal_loop_rate", "repetition/rate", "collapse/events", "time/step_s",
+]  # fmt: skip
+
+
+def results_root(argv: list[str] | None = None) -> Path:
+    """`--results DIR`, else $RATIOLAB_RESULTS, else ./results."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--results", default=os.environ.get("RATIOLAB_RESULTS", "results"))
+    return Path(p.parse_args(argv).results)
+
+
+def arm_label(exp: str, cfg: dict) -> str:
+    """The legend name of a run's arm, from its resolved config."""
+    obj, kw = cfg["objective"]["name"], cfg["objective"]
+    if exp == "collapse_reject_vs_clamp":
+        if obj == "cispo":
+            return "trust-unbounded (raw r)" if kw["hi"] >= 1e6 else "clamp (CISPO [0.5, 2])"
+        return {"mis": "reject (mask [0.5, 2])", "snr_shrink": "shrink (snr_shrink)"}.get(obj, obj)
+    if exp == "fp8_entropy_surge":
+        if cfg["noise"]["name"] == "none":
+            return "high precision"
+        if cfg["noise"].get("fmt") == "e5m2":  # the stress arm: E5M2 weights + activations
+            return "FP8 E5M2 W8A8 (std clip)"
+        names = {"tis": "FP8 + TIS", "cis": "FP8 + CIS", "calibrated_clip": "FP8 + calibrated"}
+        return names.get(obj, "FP8 (std clip)")
+    if exp == "nsr_vs_decay":
+        if obj == "nsr":
+            return {"stochastic": "NSR", "deterministic": "deterministic decay"}.get(
+                kw["mode"], "push control"
+            )
+        return "hard clip"
+    if exp == "opsd_repetition":
+        return "exact FKL (τ = none)" if kw.get("tau") is None else f"clipped FKL (τ = {kw['tau']})"
+    return obj
+
+
+def load_raw(root: Path, exp: str) -> pd.DataFrame:
+    """One row per (run, step) over the raw run folders of `exp`, with config columns."""
+    frames = []
+    for run in sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl")):
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        m = pd.DataFrame(
+            [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().split("\n") if ln]
+        )
+        if m.empty:
+            continue
+        m = m.reindex(columns=["step", *METRICS]).rename(columns=lambda c: c.replace("/", "_"))
+        frames.append(m.assign(
+            run=run.name, arm=arm_label(exp, cfg), seed=cfg["seed"],
+            objective=cfg["objective"]["name"],
+            noise=cfg["noise"]["name"], sigma=cfg["noise"].get("sigma"),
+            staleness=cfg["alpha"]["staleness"], logp_old_source=cfg["engine"]["logp_old_source"],
+            steps=cfg["steps"],
+        ))  # fmt: skip
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def load_summary(root: Path, exp: str) -> pd.DataFrame:
+    return pd.read_csv(Path(root) / exp / "summary.csv")
+
+
+def smooth(df: pd.DataFrame, cols: list[str], window: int = 5) -> pd.DataFrame:
+    """Trailing rolling mean of `cols` within each run (per-step metrics: 64 samples)."""
+    df = df.sort_values(["run", "step"]).copy()
+    df[cols] = df.groupby("run")[cols].transform(lambda s: s.rolling(window, min_periods=1).mean())
+    return df
+
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def ci95(x) -> tuple[float, float]:
+    """Student-t 95% interval of the mean over seeds (a bootstrap under-covers with 3 seeds)."""
+    x = np.asarray(x, dtype=float)
+    if len(x) < 2:
+        return float(x.mean()), float(x.mean())
+    h = T975.get(len(x) - 1, 1.96) * x.std(ddof=1) / np.sqrt(len(x))
+    return float(x.mean() - h), float(x.mean() + h)
+
+
+def curve(ax, df: pd.DataFrame, col: str, order: list[str], legend: bool) -> None:
+    """Mean over seeds of `col` per step and arm, with the t-interval band (eval points marked)."""
+    import seaborn as sns
+
+    d = df.dropna(subset=[col])
+    hue_order = [a for a in order if a in set(d.arm)]
+    marker = "o" if col == "eval_acc" else None
+    sns.lineplot(d, x="step", y=col, hue="arm", hue_order=hue_order, errorbar=ci95, ax=ax,
+                 marker=marker, legend=legend)  # fmt: skip
