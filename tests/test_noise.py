@@ -34,20 +34,25 @@ from harness.noise.routing import find_routers, select
 def llama():
     return load_model("tiny-llama")[0]
 
+
 @pytest.fixture(scope="module")
 def moe():
     return load_model("tiny-moe")[0]
 
+
 def ids(B=2, S=12, seed=0):
     return torch.randint(3, 97, (B, S), generator=torch.Generator().manual_seed(seed))
+
 
 def logits(model, x, **kw):
     with torch.no_grad():
         return model(x, **kw).logits
 
+
 def token_logp(model, x):
     lp = torch.log_softmax(logits(model, x).double(), -1)
     return lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0]
+
 
 def cached_decode(model, x, prefill: int):
     """Prefill x[:, :prefill], then one KV-cache step per token, each in its forward_context."""
@@ -63,14 +68,18 @@ def cached_decode(model, x, prefill: int):
                 outs.append(model(x[:, s : s + 1], cache=cache, use_cache=True).logits)
     return torch.cat(outs, 1)
 
+
 def state(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
+
 
 def same_state(model, ref):
     sd = model.state_dict()
     return sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in ref)
 
+
 # --- context -----------------------------------------------------------------------------------
+
 
 def naive_hash(row, mask):
     P, M, h, out = 0x100000001B3, 1 << 64, 0xCBF29CE484222325, []
@@ -79,6 +88,7 @@ def naive_hash(row, mask):
             h = (h * P + t + 1) % M
         out.append(h - M if h >= 1 << 63 else h)
     return out
+
 
 def test_prefix_hash_matches_naive_loop_and_skips_pads():
     x = ids(3, 10)
@@ -90,6 +100,7 @@ def test_prefix_hash_matches_naive_loop_and_skips_pads():
     prev = prefix_hash(x[:, :6], mask[:, :6])[:, -1]
     assert torch.equal(prefix_hash(x[:, 6:], mask[:, 6:], prev=prev), h[:, 6:])
 
+
 def test_hashed_normal_and_student_t_moments():
     keys = mix64(torch.arange(4000, dtype=torch.int64))
     z = hashed_normal(keys, 64)
@@ -99,7 +110,9 @@ def test_hashed_normal_and_student_t_moments():
     assert abs(t.var() - 5 / 3) < 0.1
     assert (t.abs() > 6).float().mean() > 10 * (z.abs() > 6).float().mean()  # heavy tail
 
+
 # --- registry and bad input --------------------------------------------------------------------
+
 
 def test_registry_errors_name_valid_choices(llama):
     assert set(NOISE) == {"layer", "logit", "fp8", "routing", "replay", "batch"}
@@ -119,10 +132,12 @@ def test_registry_errors_name_valid_choices(llama):
         build_noise("layer", layers=[5]).attach(llama)
     assert not llama._forward_hooks and not llama._forward_pre_hooks  # failed attach cleaned up
 
+
 def test_context_shape_mismatch_is_an_error(llama):
     with build_noise("layer").attached(llama):
         with forward_context(prefix_hash(ids(2, 5))), pytest.raises(RuntimeError, match="match"):
             logits(llama, ids(2, 12))
+
 
 # --- attach / detach / determinism ---------------------------------------------------------------
 
@@ -145,6 +160,7 @@ SPECS = [
     ),
 ]
 
+
 @pytest.mark.parametrize("name,kw", SPECS)
 def test_attach_detach_bit_identical_and_deterministic(llama, name, kw):
     x = ids()
@@ -157,6 +173,7 @@ def test_attach_detach_bit_identical_and_deterministic(llama, name, kw):
     assert same_state(llama, sd) and torch.equal(logits(llama, x), ref)
     assert llama.config._attn_implementation == "sdpa"
 
+
 @pytest.mark.parametrize("name,kw", SPECS)
 def test_prefill_matches_kv_cache_decode(llama, name, kw):
     x = ids(2, 14, seed=1)
@@ -165,10 +182,12 @@ def test_prefill_matches_kv_cache_decode(llama, name, kw):
         dec = cached_decode(llama, x, prefill=6)
     assert (full - dec).abs().max() < 1e-4
 
+
 def test_fresh_noise_when_not_deterministic(llama):
     x = ids()
     with build_noise("layer", sigma=0.05, deterministic=False).attached(llama):
         assert not torch.equal(logits(llama, x), logits(llama, x))
+
 
 def test_noise_follows_prefix_not_batch_or_padding(llama):
     x = ids(2, 10)
@@ -181,6 +200,7 @@ def test_noise_follows_prefix_not_batch_or_padding(llama):
     assert (alone - in_batch).abs().max() < 1e-5
     assert (alone - left_padded).abs().max() < 1e-5
 
+
 def test_batch_noise_depends_on_batch_composition(llama):
     x = ids(3, 10)
     with build_noise("batch", sigma=0.05).attached(llama):
@@ -190,6 +210,7 @@ def test_batch_noise_depends_on_batch_composition(llama):
     assert torch.equal(pair, again)
     assert (alone - pair[:1]).abs().max() > 1e-3
     assert (keyed - pair[:1]).abs().max() < 1e-5
+
 
 def test_layer_noise_has_exact_relative_size(llama):
     x, out = ids(), []
@@ -205,7 +226,9 @@ def test_layer_noise_has_exact_relative_size(llama):
     rel = (out[1] - out[0]).norm(dim=-1) / out[0].norm(dim=-1)
     assert torch.allclose(rel, torch.full_like(rel, 0.01), rtol=1e-3)
 
+
 # --- layer amplification ------------------------------------------------------------------------
+
 
 def test_layer_amplification_tiny_llama():
     model = tiny_llama(0, num_hidden_layers=4)[0]
@@ -222,7 +245,9 @@ def test_layer_amplification_tiny_llama():
     sink = layer_amplification(model, x, inject_at=1, sigma=1e-3, seeds=(0, 1), include_sink=True)
     assert sink["h_norm"] != r["h_norm"]
 
+
 # --- logit noise: the gate law -------------------------------------------------------------------
+
 
 def gate_law_bins(clean_BxSxV, noisy_NxBxSxV, sigma, edges):
     """Per confidence bin: (Monte-Carlo Var(Δ log p_j), σ²(1 − 2p_j + ‖p‖²)) summed over pairs."""
@@ -237,6 +262,7 @@ def gate_law_bins(clean_BxSxV, noisy_NxBxSxV, sigma, edges):
         out.append((int(m.sum()), var[m].sum().item(), pred[m].sum().item()))
     return out
 
+
 def test_gate_law_tiny_model_sharpened_logits():
     model = tiny_llama(3)[0]
     with torch.no_grad():
@@ -249,10 +275,13 @@ def test_gate_law_tiny_model_sharpened_logits():
         assert n >= 5, "bin too empty: sharpen the logits more"
         assert var == pytest.approx(pred, rel=0.10)
 
+
 # --- FP8 -----------------------------------------------------------------------------------------
+
 
 def gaussian(shape=(256, 1024), seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
 
 @pytest.mark.parametrize(
     "gran,kw",
@@ -275,11 +304,13 @@ def test_fp8_e4m3_error_on_gaussian(gran, kw):
     q5 = fp8_qdq(x, "e5m2", gran, **kw)
     assert ((x - q5).abs() / x.abs()).mean() / rel.mean() == pytest.approx(2.0, rel=0.05)
 
+
 def test_fp8_mx_floor_clips_block_max():
     x = gaussian()
     floor = (fp8_qdq(x, granularity="mxfp8") - x).norm() / x.norm()
     rceil = (fp8_qdq(x, granularity="mxfp8", mx_rounding="rceil") - x).norm() / x.norm()
     assert floor > rceil * 1.05  # notes §1.5: 0.029 vs 0.026
+
 
 def test_fp8_per_tensor_vs_per_row_when_rows_differ_by_orders_of_magnitude():
     g = torch.Generator().manual_seed(1)
@@ -290,6 +321,7 @@ def test_fp8_per_tensor_vs_per_row_when_rows_differ_by_orders_of_magnitude():
     }
     assert p99["tensor"] > 0.2  # small rows underflow into subnormals
     assert p99["row"] < 0.06
+
 
 def test_fp8_saturates_zero_pads_and_is_idempotent():
     big = torch.tensor([1.0, 1000.0, -1e6, float("inf")])
@@ -304,6 +336,7 @@ def test_fp8_saturates_zero_pads_and_is_idempotent():
     w = torch.randn(200, 130)  # 128×128 blocks: a value's scale comes from its own block only
     q = fp8_qdq(w, granularity="block", block=(128, 128))
     assert torch.equal(q[:128, :128], fp8_qdq(w[:128, :128], granularity="tensor"))
+
 
 def test_fp8_weights_quantised_once_and_resynced(llama):
     sd = state(llama)
@@ -331,6 +364,7 @@ def test_fp8_weights_quantised_once_and_resynced(llama):
     assert same_state(llama, new)  # detach restores the *synced* high-precision weights
     llama.load_state_dict(sd)
 
+
 def test_fp8_tied_lm_head_keeps_embeddings_high_precision():
     model = tiny_llama(0, tie_word_embeddings=True)[0]
     model.tie_weights()
@@ -345,6 +379,7 @@ def test_fp8_tied_lm_head_keeps_embeddings_high_precision():
     assert torch.equal(emb[0], emb[1]) and not torch.equal(out, ref)
     assert same_state(model, sd)
 
+
 def test_fp8_delayed_scaling_saturates_when_amax_grows():
     noise = build_noise("fp8", activations=True, act_granularity="delayed", amax_history_len=4)
     x = gaussian((64, 64))
@@ -353,7 +388,9 @@ def test_fp8_delayed_scaling_saturates_when_amax_grows():
     assert y.abs().max() == pytest.approx(x.abs().max().item(), rel=1e-3)
     assert torch.isfinite(y).all()
 
+
 # --- routing -------------------------------------------------------------------------------------
+
 
 def test_routing_replay_zero_noise_is_exact(moe):
     x = ids(2, 16)
@@ -365,6 +402,7 @@ def test_routing_replay_zero_noise_is_exact(moe):
     assert rec.shape == (2, 16, 2, 2)
     with build_noise("replay", indices=rec).attached(moe):
         assert torch.equal(logits(moe, x), ref)
+
 
 def test_routing_replay_removes_route_flips(moe):
     x = ids(4, 32, seed=2)
@@ -384,6 +422,7 @@ def test_routing_replay_removes_route_flips(moe):
     assert (partial[:, :19] - replayed[:, :19]).abs().max() < 1e-5
     assert (partial[:, 19:] - clean[:, 19:]).abs().max() < (mu - clean).abs().max()
 
+
 def test_routing_record_concatenates_prefill_and_decode_steps(moe):
     x = ids(2, 14)
     r = build_noise("routing", sigma=0.3)
@@ -394,6 +433,7 @@ def test_routing_record_concatenates_prefill_and_decode_steps(moe):
         stepped = r.take_record()
     assert stepped.shape == full.shape == (2, 14, 2, 2)
     assert torch.equal(stepped.sort(-1).values, full.sort(-1).values)
+
 
 def tiny_family_models():
     c = dict(
@@ -437,6 +477,7 @@ def tiny_family_models():
         ),
     ]
 
+
 def test_routing_selection_rule_exact_for_every_family():
     for model in tiny_family_models():
         model.eval()
@@ -457,6 +498,7 @@ def test_routing_selection_rule_exact_for_every_family():
         with build_noise("routing", sigma=0.5).attached(model):
             assert not torch.equal(logits(model, x), ref)
 
+
 def test_fp8_and_routing_compose(moe):
     x, sd = ids(), state(moe)
     ref = logits(moe, x)
@@ -471,11 +513,14 @@ def test_fp8_and_routing_compose(moe):
         )  # router stays high precision
     assert same_state(moe, sd) and torch.equal(logits(moe, x), ref)
 
+
 # --- slow: SmolLM2 -------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def smollm2():
     return load_model("smollm2-135m")
+
 
 @pytest.mark.slow
 def test_gate_law_smollm2(smollm2):
@@ -495,6 +540,7 @@ def test_gate_law_smollm2(smollm2):
     for n, var, pred in acc:
         if n >= 5:
             assert var == pytest.approx(pred, rel=0.10)
+
 
 @pytest.mark.slow
 def test_routing_replay_upcycled_smollm2(smollm2):
