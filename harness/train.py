@@ -45,7 +45,7 @@ from harness.models import load_model, resolve_dtype, upcycle_to_moe
 from harness.noise import build_noise
 from harness.objectives import build_objective
 from harness.registry import build
-from harness.repetition import repetition_report
+from harness.repetition import copy_token_probs, exit_mass, repetition_report
 from harness.tasks import TASKS, Task
 
 CONF_BINS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
@@ -135,6 +135,27 @@ def student_teacher_logits(student: Engine, teacher, ro: Rollout, rows, teacher_
     with torch.no_grad():
         t = teacher(input_ids=t_ids, attention_mask=t_mask).logits
     return s[:, -T - 1 : -1], t[:, -T - 1 : -1]
+
+
+@torch.no_grad()
+def copy_exit_mass(s_logits, t_logits, reports: list[dict]) -> dict[str, float]:
+    """OPSD Table 2 at first-copy positions: exit mass 1 − p(copy token) under the teacher and
+    1 − q under the student (T = 1 softmax); ratio R = Σ(1−q)/Σ(1−p) < 1 means the student is
+    more willing than its teacher to continue the loop."""
+    p, q = [], []
+    for s, t, rep in zip(s_logits, t_logits, reports):
+        pos, tok = rep["first_copy_positions"], rep["first_copy_tokens"]
+        if pos:
+            p.append(copy_token_probs(t.float().softmax(-1), pos, tok))
+            q.append(copy_token_probs(s.float().softmax(-1), pos, tok))
+    if not p:
+        return {}
+    em = exit_mass(torch.cat(p), torch.cat(q))
+    return {
+        "repetition/exit_mass_ratio": em["ratio"],
+        "repetition/copy_frac_student_above": em["frac_student_above"],
+        "repetition/first_copy_positions": float(em["n"]),
+    }
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -400,6 +421,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             t_ids = t_ids.repeat_interleave(cfg.rollout.group_size, 0)
             t_mask = t_mask.repeat_interleave(cfg.rollout.group_size, 0)
 
+        reps = [
+            repetition_report(row[: int(L)].tolist())
+            for row, L in zip(ro.response_ids, ro.response_mask.sum(1))
+        ]
+
         # --- m minibatches: optimizer steps on one rollout batch (α source 1) ------------------
         step_metrics: list[dict[str, float]] = []
         skipped = 0
@@ -413,6 +439,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     trainer, teacher, ro, rows, t_ids[rows], t_mask[rows]
                 )
                 out = objective(s_logits, t_logits, batch.mask[rows])
+                out.metrics.update(copy_exit_mass(s_logits, t_logits, [reps[r] for r in rows]))
             else:
                 logp = logp_first if reuse_old else trainer_logp(trainer, ro, rows, keep)
                 if (
@@ -462,10 +489,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             **rollout_dials(sc["logp"], ro, sc["entropy"], sc["p_t"]),
             **mean_dicts(step_metrics),
         }
-        reps = [
-            repetition_report(row[: int(L)].tolist())
-            for row, L in zip(ro.response_ids, ro.response_mask.sum(1))
-        ]
         m["repetition/terminal_loop_rate"] = float(np.mean([r["terminal_loop"] for r in reps]))
         m["repetition/rate"] = float(np.mean([r["has_repetition"] for r in reps]))
         m.update(check_collapse(guard, m, cfg.guard))

@@ -182,3 +182,25 @@ def test_training_pass_doubles_as_logp_old_recompute(tiny_llama):
     assert logp.requires_grad
     for k, v in {"logp": logp.detach(), **st}.items():
         assert (v - ref[k])[m].abs().max() <= 1e-5, k
+
+
+def test_copy_exit_mass_by_hand():
+    """One response 1 2 1 2 1 2: period 2, first copies at positions 2, 3 (tokens 1, 2). Teacher
+    puts p = 0.5 on each copy token, student q = 0.75: R = (0.25 + 0.25) / (0.5 + 0.5) = 0.5."""
+    from harness.repetition import repetition_report
+
+    rep = repetition_report([1, 2, 1, 2, 1, 2])
+    assert rep["first_copy_positions"] == [2, 3] and rep["first_copy_tokens"] == [1, 2]
+    V = 4
+
+    def logits(p_copy):  # copy token gets p_copy, the other 3 tokens share the rest
+        z = torch.full((6, V), 0.0)
+        for t, c in zip([2, 3], [1, 2]):
+            z[t] = torch.log(torch.full((V,), (1 - p_copy) / (V - 1)))
+            z[t, c] = torch.log(torch.tensor(p_copy))
+        return z[None]
+
+    m = train.copy_exit_mass(logits(0.75), logits(0.5), [rep])
+    assert m["repetition/exit_mass_ratio"] == pytest.approx(0.5)
+    assert m["repetition/copy_frac_student_above"] == 1.0
+    assert train.copy_exit_mass(logits(0.75), logits(0.5), [repetition_report([1, 2, 3])]) == {}
