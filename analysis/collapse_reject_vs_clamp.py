@@ -5,11 +5,8 @@ python -m analysis.collapse_reject_vs_clamp [--results DIR]   # reads results/<e
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
-import seaborn as sns
-
-from analysis.common import savefig, set_theme
-from analysis.runs import curve, load_summary, results_root, smooth
+from analysis.common import set_theme
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "collapse_reject_vs_clamp"
 ARMS = ["reject (mask [0.5, 2])", "trust-unbounded (raw r)", "clamp (CISPO [0.5, 2])"]
@@ -29,18 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     runs = smooth(df[df.complete], [c for c, *_ in PANELS[1:]])
     set_theme()
     # one figure per horizon: the 40-step four-arm grid and the long reject-vs-clamp pair
-    for steps, df in runs.groupby("steps"):
-        fig, axes = plt.subplots(1, len(PANELS), figsize=(22, 4.2))
-        for ax, (col, title, ylabel) in zip(axes, PANELS):
-            curve(ax, df, col, ARMS, legend=ax is axes[0])
-            ax.set(title=title, xlabel="optimizer step", ylabel=ylabel, ylim=(0, None))
-        for ax in (axes[0],):
-            sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
-        n = df.groupby("arm").seed.nunique().min()
-        fig.suptitle(
-            f"Student-t (ν=3, σ=0.5) logit noise in μ, task model; mean, 95% t-CI, {n} seeds"
-        )
-        savefig(fig, root / EXP / f"fig_collapse_reject_vs_clamp_{steps}steps")
+    for steps, d in runs.groupby("steps"):
+        title = "Student-t (ν=3, σ=0.5) logit noise in μ, task model"
+        path = root / EXP / f"fig_collapse_reject_vs_clamp_{steps}steps"
+        panel_row(d, PANELS, ARMS, "optimizer step", title, path)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,8 @@ python -m analysis.fp8_entropy_surge [--results DIR]   # reads results/<exp>/sum
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
-import seaborn as sns
-
-from analysis.common import savefig, set_theme
-from analysis.runs import curve, load_summary, results_root, smooth
+from analysis.common import set_theme
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "fp8_entropy_surge"
 ARMS = ["high precision", "FP8 (std clip)", "FP8 E5M2 W8A8 (std clip)", "FP8 + TIS"]
@@ -27,15 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     df = load_summary(root, EXP)
     df = smooth(df[df.complete], ["entropy_mean", "reward_mean", "clip_frac_low"])
     set_theme()
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(19, 4.2))
-    for ax, (col, title, ylabel, arms) in zip(axes, PANELS):
-        curve(ax, df[df.arm.isin(arms)], col, ARMS, legend=ax in (axes[0], axes[-1]))
-        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel, ylim=(0, None))
-    for ax in (axes[0], axes[-1]):
-        sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
-    n = df.groupby("arm").seed.nunique().min()
-    fig.suptitle(f"FP8 (E4M3) sampler vs high precision, task model; mean, 95% t-CI, {n} seeds")
-    savefig(fig, root / EXP / "fig_fp8_entropy_surge")
+    title = "FP8 (E4M3) sampler vs high precision, task model"
+    path = root / EXP / "fig_fp8_entropy_surge"
+    panel_row(df, PANELS, ARMS, "optimizer step", title, path, legend_on=(0, len(PANELS) - 1))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,8 @@ python -m analysis.nsr_vs_decay [--results DIR]   # reads results/<exp>/summary.
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
-import seaborn as sns
-
-from analysis.common import savefig, set_theme
-from analysis.runs import curve, load_summary, results_root, smooth
+from analysis.common import set_theme
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "nsr_vs_decay"
 ARMS = ["hard clip", "NSR", "deterministic decay", "push control"]
@@ -28,15 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     df = df[df.complete].assign(clip_frac=lambda d: d.clip_frac_low + d.clip_frac_high)
     df = smooth(df, [c for c, *_ in PANELS[1:]])
     set_theme()
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(22, 4.2))
-    for ax, (col, title, ylabel) in zip(axes, PANELS):
-        curve(ax, df, col, ARMS, legend=ax is axes[0])
-        ax.set(title=title, xlabel="optimizer step", ylabel=ylabel, ylim=(0, None))
-    for ax in (axes[0],):
-        sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
-    n = df.groupby("arm").seed.nunique().min()
-    fig.suptitle(f"Gaussian logit noise σ=0.3, π_old := μ, task model; mean, 95% t-CI, {n} seeds")
-    savefig(fig, root / EXP / "fig_nsr_vs_decay")
+    title = "Gaussian logit noise σ=0.3, π_old := μ, task model"
+    panel_row(df, PANELS, ARMS, "optimizer step", title, root / EXP / "fig_nsr_vs_decay")
 
 
 if __name__ == "__main__":

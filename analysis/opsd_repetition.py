@@ -5,11 +5,8 @@ python -m analysis.opsd_repetition [--results DIR]   # reads results/<exp>/summa
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
-import seaborn as sns
-
-from analysis.common import savefig, set_theme
-from analysis.runs import curve, load_summary, results_root, smooth
+from analysis.common import set_theme
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "opsd_repetition"
 PANELS = [  # column, title, y label
@@ -25,19 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     df = load_summary(root, EXP)
     df = smooth(df[df.complete], [c for c, *_ in PANELS[:3]])
     set_theme()
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(18, 4.2))
-    for ax, (col, title, ylabel) in zip(axes, PANELS):
-        curve(ax, df, col, sorted(set(df.arm)), legend=ax is axes[0])
-        ax.set(title=title, xlabel="distillation update", ylabel=ylabel, ylim=(0, None))
-        if df[col].max() == 0:  # a line on the axis is invisible: say it
-            ax.text(0.5, 0.5, "0 in every run and step", transform=ax.transAxes, ha="center")
-    for ax in (axes[0],):
-        sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
-    n = df.groupby("arm").seed.nunique().min()
-    fig.suptitle(
-        f"OPSD, task model (teacher: initial model + reference solution); 95% t-CI, {n} seeds"
-    )
-    savefig(fig, root / EXP / "fig_opsd_repetition")
+    title = "OPSD, task model (teacher: initial model + reference solution)"
+    path = root / EXP / "fig_opsd_repetition"
+    panel_row(df, PANELS, sorted(set(df.arm)), "distillation update", title, path)
 
 
 if __name__ == "__main__":

@@ -111,3 +111,33 @@ def curve(ax, df: pd.DataFrame, col: str, order: list[str], legend: bool) -> Non
     marker = "o" if col == "eval_acc" else None
     sns.lineplot(d, x="step", y=col, hue="arm", hue_order=hue_order, errorbar=ci95, ax=ax,
                  marker=marker, legend=legend)  # fmt: skip
+
+
+def panel_row(
+    df: pd.DataFrame,
+    panels: list[tuple],
+    arms: list[str],
+    xlabel: str,
+    title: str,
+    path: Path,
+    legend_on: tuple[int, ...] = (0,),
+) -> None:
+    """One row of `curve` panels, each (column, title, y label[, arms shown]); mean and 95%
+    t-interval over seeds; written through `savefig` as PNG + PDF."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    from analysis.common import savefig
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.2))
+    for i, (ax, (col, panel_title, ylabel, *shown)) in enumerate(zip(axes, panels)):
+        d = df[df.arm.isin(shown[0])] if shown else df
+        curve(ax, d, col, arms, legend=i in legend_on)
+        ax.set(title=panel_title, xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
+        if i in legend_on:
+            sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
+        if d[col].max() == 0:  # a line on the axis is invisible: say it
+            ax.text(0.5, 0.5, "0 in every run and step", transform=ax.transAxes, ha="center")
+    n = df.groupby("arm").seed.nunique().min()
+    fig.suptitle(f"{title}; mean, 95% t-CI, {n} seeds")
+    savefig(fig, path)
