@@ -37,7 +37,7 @@ bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~35 mi
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	mkdir -p results/bench
 	$(PY) benchmarks/bench_score.py --rounds 3
-	$(PY) benchmarks/bench_noise.py | tee results/bench/noise.txt
+	$(PY) benchmarks/bench_noise.py
 	$(PY) benchmarks/bench_objectives.py | tee results/bench/objectives.txt
 	$(PY) benchmarks/bench_measure.py | tee results/bench/measure.txt
 	$(PY) benchmarks/bench_step.py --model tiny --pairs 9

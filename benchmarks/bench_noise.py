@@ -1,6 +1,7 @@
 """Overhead of the noise models: noisy forward / clean forward on SmolLM2-135M (fp32, CPU).
 
-Medians over interleaved repeats (every config once per round, so machine load hits all alike).
+Every config runs once per round (interleaved, so machine load hits all alike); each ratio is
+taken within a round and reported as min/median/max over rounds. Writes results/bench/noise.json.
 Prefill = one forward over [B, S]; decode = one KV-cache step [B, 1] after that prefill.
 Goals (issue 3): `layer` on every layer ≤ 1.15×, FP8 weight-only ≈ 1.0× after the one-time
 quantisation, routing ≤ 1.10× (on the upcycled MoE, against the clean MoE).
@@ -11,8 +12,12 @@ quantisation, routing ≤ 1.10× (on the upcycled MoE, against the clean MoE).
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -46,19 +51,28 @@ def timed_forward(model, x, noise, decode: bool) -> float:
             noise.detach()
 
 
-def bench(model, x, configs: dict, repeats: int, decode: bool) -> dict[str, float]:
+def bench(models: dict, x, configs: dict, repeats: int, decode: bool) -> dict[str, list[float]]:
+    """Per-round times of each config; `models[name]` is the model it runs on."""
     times: dict[str, list[float]] = {k: [] for k in configs}
-    timed_forward(model, x, None, decode)  # warm-up
+    for name in configs:  # warm-up
+        timed_forward(models[name], x, None, decode)
     for _ in range(repeats):
         for name, make in configs.items():
-            times[name].append(timed_forward(model, x, make(), decode))
-    return {k: statistics.median(v) for k, v in times.items()}
+            times[name].append(timed_forward(models[name], x, make(), decode))
+    return times
 
 
-def report(title: str, med: dict[str, float], base: str) -> None:
+def report(title: str, times: dict[str, list[float]], base: str, out: dict) -> None:
     print(f"\n{title}")
-    for k, v in med.items():
-        print(f"  {k:28s} {v * 1e3:9.1f} ms   {v / med[base]:5.2f}x")
+    print(f"  {'':28s} {'median':>9s}   ratio to {base}: min / median / max")
+    rows = {}
+    for k, v in times.items():
+        r = sorted(t / b for t, b in zip(v, times[base]))
+        rows[k] = {"median_ms": statistics.median(v) * 1e3, "ratio_min": r[0],
+                   "ratio_median": statistics.median(r), "ratio_max": r[-1]}  # fmt: skip
+        print(f"  {k:28s} {rows[k]['median_ms']:9.1f} ms   "
+              f"{r[0]:5.2f} / {statistics.median(r):5.2f} / {r[-1]:5.2f}x")  # fmt: skip
+    out[title] = rows
 
 
 def main() -> None:
@@ -89,26 +103,29 @@ def main() -> None:
         "logit student-t nu=3": lambda: build_noise("logit", sigma=0.1, nu=3.0),
         "layer fresh (not determ.)": lambda: build_noise("layer", sigma=2e-3, deterministic=False),
     }
+    out: dict = {"command": " ".join(["python", *sys.argv])}
     for decode in (False, True):
-        med = bench(model, x, dense, a.repeats, decode)
-        report(f"dense, {'decode step' if decode else 'prefill'}", med, "clean")
+        times = bench(dict.fromkeys(dense, model), x, dense, a.repeats, decode)
+        report(f"dense, {'decode step' if decode else 'prefill'}", times, "clean", out)
 
-    # FP8: weights quantised once, outside the timed region (a model kept attached)
+    # FP8: weights quantised once per weight sync, outside the timed region: one model copy per
+    # config, kept attached, so the configs still interleave round by round
+    fp8_kw = {
+        "clean": None,
+        "fp8 weight-only tensor": {},
+        "fp8 W8A8 block 128": dict(granularity="block", activations=True),
+        "fp8 W8A8 row + KV": dict(granularity="row", activations=True, kv_cache=True),
+    }
+    copies = {name: model if kw is None else copy.deepcopy(model) for name, kw in fp8_kw.items()}
+    noises = [build_noise("fp8", **kw) for kw in fp8_kw.values() if kw is not None]
+    for n, m in zip(noises, [m for m in copies.values() if m is not model]):
+        n.attach(m)
     for decode in (False, True):
-        med = {}
-        for name, kw in [
-            ("clean", None),
-            ("fp8 weight-only tensor", {}),
-            ("fp8 W8A8 block 128", dict(granularity="block", activations=True)),
-            ("fp8 W8A8 row + KV", dict(granularity="row", activations=True, kv_cache=True)),
-        ]:
-            noise = None if kw is None else build_noise("fp8", **kw)
-            if noise is not None:
-                noise.attach(model)
-            med[name] = bench(model, x, {"x": lambda: None}, a.repeats, decode)["x"]
-            if noise is not None:
-                noise.detach()
-        report(f"fp8 (attached once), {'decode step' if decode else 'prefill'}", med, "clean")
+        times = bench(copies, x, dict.fromkeys(fp8_kw, lambda: None), a.repeats, decode)
+        title = f"fp8 (attached once), {'decode step' if decode else 'prefill'}"
+        report(title, times, "clean", out)
+    for n in noises:
+        n.detach()
 
     moe = upcycle_to_moe(model, n_experts=4, top_k=2, expert_jitter=0.02)
     rec_noise = build_noise("routing", sigma=0.1)
@@ -120,8 +137,12 @@ def main() -> None:
         "routing sigma=0.1 + record": lambda: build_noise("routing", sigma=0.1),
         "replay (R3)": lambda: build_noise("replay", indices=rec),
     }
-    med = bench(moe, x, routing, a.repeats, decode=False)
-    report("upcycled SmolLM2 MoE (4 experts, top-2), prefill", med, "clean MoE")
+    times = bench(dict.fromkeys(routing, moe), x, routing, a.repeats, decode=False)
+    report("upcycled SmolLM2 MoE (4 experts, top-2), prefill", times, "clean MoE", out)
+    path = Path("results/bench/noise.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -285,6 +285,12 @@ def evaluate(engine: Engine, task: Task, problems, cfg: DictConfig) -> float:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
+    for key, value, valid in [
+        ("engine.logp_old_source", cfg.engine.logp_old_source, ("trainer", "sampler")),
+        ("advantage", cfg.advantage, ("grpo", "drgrpo")),
+    ]:
+        if value not in valid:  # fail before any model is loaded
+            raise ValueError(f"{key}={value!r}; valid: {', '.join(map(repr, valid))}")
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
@@ -340,10 +346,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     eval_problems = task.sample(cfg.eval_n, "eval", cfg.seed)
     bar = tqdm(range(start, cfg.steps + 1), desc="train", disable=not cfg.progress)
     last: dict[str, Any] = {}
-    if cfg.engine.logp_old_source not in ("trainer", "sampler"):
-        raise ValueError(
-            f"engine.logp_old_source={cfg.engine.logp_old_source!r}; valid: 'trainer', 'sampler'"
-        )
     reuse_old = (
         cfg.reuse_old_logp
         and cfg.alpha.staleness == 0

@@ -144,6 +144,8 @@ def test_bad_config_fails_before_compute(tmp_path):
         train.run(_cfg(tmp_path, "objective.name=ppo_clipp", "steps=1"))
     with pytest.raises(TypeError, match="valid"):
         train.run(_cfg(tmp_path, "++objective.eps_hgh=0.3", "steps=1"))
+    with pytest.raises(ValueError, match="valid: 'trainer', 'sampler'"):
+        train.run(_cfg(tmp_path, "engine.logp_old_source=engine", "steps=1"))
     with pytest.raises(ValueError, match="distill"):
         train.run(_cfg(tmp_path, "objective=opsd_fkl", "steps=1"))
 
