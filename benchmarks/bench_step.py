@@ -13,14 +13,15 @@ Both run in one process, interleaved: TRL's `train()` runs warm-up + pairs steps
 times each TRL step (on_step_begin → on_step_end) and then runs and times one ratiolab step per
 variant. The ratiolab step is `harness.train.run`'s per-step work built from the same functions:
 `Engine.generate` (the sampler's own copy of the weights), `group_advantages`,
-`Engine.score_rollout` (the trainer's π_old recompute), `trainer_logp`, the registered objective,
-AdamW, `WeightHistory.push` and the weight sync to the sampler. Variant `skip_old` skips the
-π_old recompute (π_old := detached π_θ, with p_t / entropy / Σp² from the same trainer pass via
-`chunked_logp(with_stats=True)`), as TRL does when each rollout batch is used once; it is valid
-only with staleness 0 and one minibatch. Variant `before` is `loop` with the engine's
-issue-9 fast path off (shared prompt prefill/prefix): the before/after of the speed
-work, interleaved in the same run. Writes results/bench/step_<model>.json (every pair, phase
-medians) and refreshes results/bench/step.json (all models' ratios, min/median/max).
+`trainer_logp`, the registered objective, fused AdamW, `WeightHistory.push` and the weight sync
+to the sampler. Variant `loop` is what `harness.train` does at staleness 0 with one minibatch:
+the training pass doubles as π_old (π_old := detached π_θ, with p_t / entropy / Σp² from the same
+pass via `trainer_logp(..., with_stats=True)`), as TRL does when each rollout batch is used once.
+Variant `recompute` adds the separate π_old pass (`Engine.score_rollout`) the loop runs when α
+is configured. Variant `before` is `recompute` with the engine's issue-9 fast path off (shared
+prompt prefill/prefix), interleaved in the same run. Writes results/bench/step_<model>.json
+(every pair, phase medians) and refreshes results/bench/step.json (all models' ratios,
+min/median/max).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import torch
 from harness.alpha import WeightHistory
 from harness.batch import TokenBatch
 from harness.engines import Engine
-from harness.logprobs import chunked_logp
 from harness.objectives import build_objective
 from harness.tasks import arithmetic
 from harness.train import group_advantages, trainer_logp
@@ -81,7 +81,7 @@ class RatiolabStep:
         self.objective = build_objective(
             "ppo_clip", eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation="token-mean"
         )
-        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99))
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), fused=True)
         self.history = WeightHistory(0)
         self.history.push(model)
 
@@ -90,7 +90,7 @@ class RatiolabStep:
             for eng in (self.trainer, self.sampler):
                 eng._can_share_prefix = lambda: False
         try:
-            return self._step(problems, prompts, seed, skip_old=variant == "skip_old")
+            return self._step(problems, prompts, seed, skip_old=variant == "loop")
         finally:
             for eng in (self.trainer, self.sampler):
                 eng.__dict__.pop("_can_share_prefix", None)
@@ -115,7 +115,7 @@ class RatiolabStep:
             t["logp_old"] = time.perf_counter() - t1
             t1 = time.perf_counter()
         if skip_old:
-            logp, st = trainer_logp_with_stats(self.trainer, ro, rows)
+            logp, st = trainer_logp(self.trainer, ro, rows, None, with_stats=True)
         else:
             logp = trainer_logp(self.trainer, ro, rows, None)
             st = sc
@@ -146,24 +146,6 @@ class RatiolabStep:
         t["optimizer+sync"] = time.perf_counter() - t1
         t["step"] = time.perf_counter() - t0
         return t
-
-
-def trainer_logp_with_stats(engine: Engine, ro, rows):
-    """`harness.train.trainer_logp` with `chunked_logp(..., with_stats=True)`: the trainer pass
-    also yields π_old's p_t / entropy / Σp² (the change proposed for the loop at staleness 0 with
-    one minibatch, where π_old := sg(π_θ) and the separate scoring pass is skipped)."""
-    h = engine.hidden_states(ro.tokens[rows], ro.attention_mask[rows], ro.n_prompt)
-    b, T, H = h.shape
-    w = engine.model.get_output_embeddings().weight
-    logp, st = chunked_logp(
-        h.reshape(b * T, H),
-        w,
-        ro.response_ids[rows].reshape(-1),
-        ro.temperature,
-        None,
-        with_stats=True,
-    )
-    return logp.view(b, T), {k: v.view(b, T) for k, v in st.items()}
 
 
 def build_trl(model, tok, problems, prompts, steps: int, out_dir: str, grad_ckpt: bool):
@@ -249,9 +231,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--variants",
-        default="loop,skip_old,before",
-        help="ratiolab variants: loop (as harness.train runs), skip_old (no π_old recompute), "
-        "before (loop with the issue-9 engine fast paths off)",
+        default="loop,recompute,before",
+        help="ratiolab variants: loop (as harness.train runs at staleness 0 with one minibatch: "
+        "the training pass doubles as π_old), recompute (a separate π_old pass, as with α "
+        "configured), before (recompute with the issue-9 engine fast path off)",
     )
     ap.add_argument("--trl-gradient-checkpointing", action="store_true")
     ap.add_argument("--out", default=None)
