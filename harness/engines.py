@@ -16,7 +16,7 @@ from torch import Tensor
 from tqdm.auto import trange
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from harness.logprobs import DEFAULT_CHUNK, chunked_stats, process_logits, support_mask
+from harness.logprobs import DEFAULT_CHUNK, chunked_stats, process_logits, replay_mask
 from harness.noise import NoiseModel, RoutingNoise, RoutingReplay, forward_context, prefix_hash
 
 
@@ -300,8 +300,8 @@ class Engine:
         targets = tokens[:, n_prompt:].reshape(-1)
         keep = None
         if support is not None:
-            keep = support_mask(support.reshape(B * T, -1), self.model.config.vocab_size)
-            keep[torch.arange(B * T), targets] = True  # pads / EOS-after rows: keep finite
+            vocab = self.model.config.vocab_size
+            keep = replay_mask(support, tokens[:, n_prompt:], vocab).view(B * T, vocab)
         stats = chunked_stats(
             h.reshape(B * T, H),
             self.model.get_output_embeddings(),

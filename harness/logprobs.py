@@ -23,6 +23,15 @@ def support_mask(support: Tensor, vocab: int) -> Tensor:
     return keep[:, :vocab]
 
 
+def replay_mask(support: Tensor, targets: Tensor, vocab: int) -> Tensor:
+    """Mask replay for B × T sampled tokens: [B, T, K] support ids → [B, T, V] bool, with each
+    sampled token kept (so padding and post-EOS rows, which have no support, stay finite)."""
+    B, T = targets.shape
+    keep = support_mask(support.reshape(B * T, -1), vocab)
+    keep[torch.arange(B * T), targets.reshape(-1)] = True
+    return keep.view(B, T, vocab)
+
+
 def process_logits(
     logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
 ) -> Tensor:

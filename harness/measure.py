@@ -42,7 +42,7 @@ from harness.batch import TokenBatch, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import run_task
-from harness.logprobs import chunked_logp, support_mask
+from harness.logprobs import chunked_logp, replay_mask
 from harness.models import load_model, resolve_dtype
 from harness.noise import NOISE, build_noise, layer_amplification
 from harness.objectives import build_objective
@@ -192,10 +192,7 @@ def train_steps(live: Engine, ro: Rollout, sc: dict, tok, cfg: DictConfig) -> di
     )
     keep = None
     if cfg.mask_replay and ro.support is not None:
-        B, T = ro.response_ids.shape
-        keep = support_mask(ro.support.reshape(B * T, -1), model.config.vocab_size)
-        keep[torch.arange(B * T), ro.response_ids.reshape(-1)] = True
-        keep = keep.view(B, T, -1)
+        keep = replay_mask(ro.support, ro.response_ids, model.config.vocab_size)
     obj = build_objective(a.objective, **OmegaConf.to_container(a.objective_kw, resolve=True))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     # DAPO dynamic sampling: groups with uniform reward have zero advantage and no gradient

@@ -40,7 +40,7 @@ from harness.batch import TokenBatch, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_text_atomic
 from harness.launch import run_task, update_meta
-from harness.logprobs import chunked_logp, support_mask
+from harness.logprobs import chunked_logp, replay_mask
 from harness.models import load_model, resolve_dtype, upcycle_to_moe
 from harness.noise import build_noise
 from harness.objectives import build_objective
@@ -377,10 +377,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
         keep = None
         if cfg.engine.mask_replay and ro.support is not None:
-            B, T = ro.response_ids.shape
-            keep = support_mask(ro.support.reshape(B * T, -1), model.config.vocab_size)
-            keep[torch.arange(B * T), ro.response_ids.reshape(-1)] = True
-            keep = keep.view(B, T, -1)
+            keep = replay_mask(ro.support, ro.response_ids, model.config.vocab_size)
 
         # --- trainer recompute of logp_old at the behaviour weights -----------------------------
         # With staleness the trainer's current weights are ahead of the behaviour weights; π_old

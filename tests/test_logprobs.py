@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from harness.logprobs import chunked_logp, chunked_stats, process_logits, support_mask
+from harness.logprobs import (
+    chunked_logp,
+    chunked_stats,
+    process_logits,
+    replay_mask,
+    support_mask,
+)
 
 
 def test_process_logits_by_hand():
@@ -23,6 +29,12 @@ def test_process_logits_by_hand():
 def test_support_mask():
     m = support_mask(torch.tensor([[2, 0, -1], [1, -1, -1]]), vocab=4)
     assert m.tolist() == [[True, False, True, False], [False, True, False, False]]
+
+
+def test_replay_mask_keeps_the_sampled_token():
+    # row 0: support {2, 0}, sampled 2; row 1: a pad position (empty support), "sampled" 3
+    m = replay_mask(torch.tensor([[[2, 0], [-1, -1]]]), torch.tensor([[2, 3]]), vocab=4)
+    assert m.tolist() == [[[True, False, True, False], [False, False, False, True]]]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

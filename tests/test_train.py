@@ -170,15 +170,14 @@ def test_training_pass_doubles_as_logp_old_recompute(tiny_llama):
     """reuse_old_logp: the with-grad training pass gives the same π_old and stats as the
     separate no-grad recompute (score_rollout), including under top-p mask replay."""
     from harness.engines import Engine
-    from harness.logprobs import support_mask
+    from harness.logprobs import replay_mask
 
     model, tok = tiny_llama
     eng = Engine(model, tok)
     ro = eng.generate(["12+3=", "ab"], n=3, max_new_tokens=7, top_p=0.9, seed=1)
     B, T = ro.response_ids.shape
-    keep = support_mask(ro.support.reshape(B * T, -1), model.config.vocab_size)
-    keep[torch.arange(B * T), ro.response_ids.reshape(-1)] = True
-    logp, st = train.trainer_logp(eng, ro, torch.arange(B), keep.view(B, T, -1), with_stats=True)
+    keep = replay_mask(ro.support, ro.response_ids, model.config.vocab_size)
+    logp, st = train.trainer_logp(eng, ro, torch.arange(B), keep, with_stats=True)
     ref = eng.score_rollout(ro, mask_replay=True)
     m = ro.response_mask.bool()
     assert logp.requires_grad
