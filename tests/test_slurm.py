@@ -124,6 +124,16 @@ def sacct_state(job: str) -> str:
     return states.get(job, "")
 
 
+def final_state(job: str, timeout: float = 60) -> str:
+    """The job's state once sacct records its end. The driver can return (submitit has read the
+    result pickle) while the job is still RUNNING or COMPLETING in accounting."""
+    unfinished = ("", "PENDING", "RUNNING", "COMPLETING")
+    wait_for(
+        f"sacct to record the end of {job}", lambda: sacct_state(job) not in unfinished, timeout
+    )
+    return sacct_state(job)
+
+
 def stop(proc: subprocess.Popen, *runs: Path) -> None:
     """After a failed check: stop the driver and cancel the runs' jobs (the cluster is shared)."""
     if proc.poll() is None:
@@ -159,7 +169,7 @@ def test_sweep_completes_and_sacct_knows_every_job(cluster, tmp_path):
         m = meta(run)
         assert m["status"] == "completed" and m["end_time"], m
         job = m["slurm"]["job"]  # <array job id>_<task id>
-        assert sacct_state(job) == "COMPLETED", (job, sacct_state(job))
+        assert final_state(job) == "COMPLETED", (job, sacct_state(job))
         assert m["versions"]["submitit"] and "git" in m
         steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
         assert steps == [1, 2, 3, 4]
@@ -220,10 +230,7 @@ def test_task_traceback_reaches_driver_and_run_dir(cluster, tmp_path):
     assert m["status"] == "failed" and m["error"].startswith("ValueError"), m
     # Slurm's view: the job itself ran fine (and the driver's abort did not cancel finished jobs);
     # accounting can lag the driver by a few seconds when the task fails fast
-    job = m["slurm"]["job"]
-    running = ("RUNNING", "PENDING", "")
-    wait_for(f"{job} leaves RUNNING", lambda: sacct_state(job) not in running, 30)
-    assert sacct_state(job) == "COMPLETED"
+    assert final_state(m["slurm"]["job"]) == "COMPLETED"
     assert meta(tmp_path / "advantage=grpo")["status"] == "completed"
 
 
