@@ -18,8 +18,11 @@ to the sampler. Variant `loop` is what `harness.train` does at staleness 0 with 
 the training pass doubles as π_old (π_old := detached π_θ, with p_t / entropy / Σp² from the same
 pass via `trainer_logp(..., with_stats=True)`), as TRL does when each rollout batch is used once.
 Variant `recompute` adds the separate π_old pass (`Engine.score_rollout`) the loop runs when α
-is configured. Variant `before` is `recompute` with the engine's issue-9 fast path off (shared
-prompt prefill/prefix), interleaved in the same run. Writes results/bench/step_<model>.json
+is configured. Variant `before` is `recompute` with the engine's issue-9 fast paths off (shared
+prompt prefill/prefix, the lean decode loop of harness/decode.py), interleaved in the same run.
+After the pairs, one `loop` step runs under the torch profiler: its time inside GEMM kernels over
+TRL's median step is `gemm_floor_ratio`, the lowest ratio reachable without faster GEMMs (TRL runs
+the same GEMMs). Writes results/bench/step_<model>.json
 (every pair, phase medians) and refreshes results/bench/step.json (all models' ratios,
 min/median/max).
 """
@@ -88,12 +91,13 @@ class RatiolabStep:
     def __call__(self, problems, prompts, seed: int, variant: str) -> dict[str, float]:
         if variant == "before":  # the engine before issue 9: no prompt sharing, HF decode steps
             for eng in (self.trainer, self.sampler):
-                eng._can_share_prefix = lambda: False
+                eng._can_share_prefix = eng._can_decode_lean = lambda: False
         try:
             return self._step(problems, prompts, seed, skip_old=variant == "loop")
         finally:
             for eng in (self.trainer, self.sampler):
                 eng.__dict__.pop("_can_share_prefix", None)
+                eng.__dict__.pop("_can_decode_lean", None)
 
     def _step(self, problems, prompts, seed: int, skip_old: bool) -> dict[str, float]:
         t: dict[str, float] = {}
@@ -197,6 +201,18 @@ def build_trl(model, tok, problems, prompts, steps: int, out_dir: str, grad_ckpt
 TASK = arithmetic(digits=2, ops="+-")
 
 
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm")
+
+
+def gemm_seconds(fn) -> float:
+    """Self CPU time of the matrix-multiply kernels while `fn()` runs (torch profiler)."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6
+
+
 def summary(xs: list[float]) -> dict[str, float]:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
 
@@ -215,6 +231,7 @@ def write_summary(folder: Path) -> Path:
             "trl_step_s": r["trl_step_s"],
             **{k: v for k, v in r.items() if k.startswith("ratio_")},
             **{k: v for k, v in r.items() if k.startswith("ratiolab_") and k.endswith("_step_s")},
+            "gemm_floor_ratio": r.get("gemm_floor_ratio"),
         }
     out = folder / "step.json"
     out.write_text(json.dumps(summary_, indent=2) + "\n")
@@ -351,6 +368,12 @@ def main() -> None:
         }
         # per pair: each ratiolab step against the TRL step it was interleaved with
         report[f"ratio_{v}_over_trl"] = summary([x / y for x, y in zip(rt, trl_t)])
+    # the floor: time inside GEMM kernels during one profiled `loop` step. The same GEMMs run on
+    # TRL's side, so no overhead cut can take the ratio below gemm_floor_ratio.
+    sel = problems[:N_PROMPTS]
+    gemm_s = gemm_seconds(lambda: ratiolab(sel, [prefix + p.prompt for p in sel], 0, "loop"))
+    report["ratiolab_loop_gemm_s"] = gemm_s
+    report["gemm_floor_ratio"] = gemm_s / report["trl_step_s"]["median"]
     report["rows"] = rows
     out = Path(a.out or f"results/bench/step_{a.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -363,6 +386,11 @@ def main() -> None:
             f"{report['trl_step_s']['median']:.3f} s, ratiolab median "
             f"{report[f'ratiolab_{v}_step_s']['median']:.3f} s"
         )
+    print(
+        f"[{a.model}] GEMM time in one ratiolab(loop) step: {gemm_s:.3f} s = "
+        f"{report['gemm_floor_ratio']:.3f} of TRL's median step (the ratio's floor at this "
+        "GEMM speed)"
+    )
     print(f"wrote {out} and {write_summary(out.parent)}")
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from tqdm.auto import trange
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from harness import decode
 from harness.logprobs import DEFAULT_CHUNK, chunked_stats, process_logits, replay_mask
 from harness.noise import NoiseModel, RoutingNoise, RoutingReplay, forward_context, prefix_hash
 
@@ -165,6 +166,11 @@ class Engine:
             logits = self._next_logits(ids, attn, cache, h)
         prompt_ids, prompt_mask = ids, attn
         B = ids.shape[0]
+        lean = (
+            decode.LeanDecoder(self.model, cache, attn, max_new_tokens)
+            if self._can_decode_lean()
+            else None
+        )
         g = torch.Generator().manual_seed(seed)
         truncated = top_k > 0 or top_p < 1.0
         done = torch.zeros(B, dtype=torch.bool)
@@ -187,6 +193,9 @@ class Engine:
             done = done | torch.isin(tok, self.eos_ids)
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
+            if lean is not None:
+                logits = lean.step(tok)
+                continue
             attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype)], 1)
             ids = torch.cat([ids, tok[:, None]], 1)
             if cache is not None:
@@ -208,8 +217,9 @@ class Engine:
             prompt_mask=prompt_mask,
             response_ids=torch.stack(toks, 1),
             response_mask=mask,
-            logp_mu=torch.stack(mus, 1) * mask,
-            logp_mu_raw=torch.stack(raws, 1) * mask,
+            # where, not *: after EOS the pad token can lie outside a truncated support (−inf)
+            logp_mu=torch.where(mask.bool(), torch.stack(mus, 1), 0.0),
+            logp_mu_raw=torch.where(mask.bool(), torch.stack(raws, 1), 0.0),
             support=support,
             prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
             temperature=temperature,
@@ -223,6 +233,11 @@ class Engine:
         numbers as per-row prefill, but noise models may key on rows or batch shape (fresh
         noise, `batch`, routing records/replay): with any attached, every row runs in full."""
         return not self.noise
+
+    def _can_decode_lean(self) -> bool:
+        """The lean decode loop (harness/decode.py) runs the plain model's arithmetic: only with
+        a KV cache, no noise attached and a model it reproduces exactly."""
+        return self.kv_cache and not self.noise and decode.supports(self.model)
 
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor, n_prompt: int) -> Tensor:
         """Final-norm hidden states at the positions predicting tokens[:, n_prompt:]: [B, T, H].

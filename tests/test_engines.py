@@ -105,10 +105,11 @@ def test_left_padding_does_not_change_logprobs(tiny_llama):
     assert (sc["logp"][0] - ro.logp_mu[0]).abs().max() <= 1e-5
 
 
-def test_eos_ends_response_and_masks_the_rest(tiny_llama):
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_eos_ends_response_and_masks_the_rest(tiny_llama, top_k):
     model, tok = tiny_llama  # near-uniform over 99 tokens: EOS ends ~45% of rows within 60 steps
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    ro = Engine(model, tok).generate(["x"], n=64, max_new_tokens=60, seed=0)
+    ro = Engine(model, tok).generate(["x"], n=64, max_new_tokens=60, seed=0, top_k=top_k)
     lengths = ro.response_mask.sum(1).long()
     finished = ro.response_ids[torch.arange(64), lengths - 1] == eos
     assert 0 < int(finished.sum()) < 64
@@ -117,6 +118,8 @@ def test_eos_ends_response_and_masks_the_rest(tiny_llama):
         assert int((row[:L] == eos).sum()) == int(fin)  # one EOS, the last kept token
         if fin:
             assert row[L - 1] == eos and (row[L:] == pad).all()
+    # the pad written after EOS may lie outside a top-k support: still 0, never NaN or −inf
+    assert torch.isfinite(ro.logp_mu).all() and torch.isfinite(ro.logp_mu_raw).all()
     assert (ro.logp_mu * (1 - ro.response_mask)).abs().sum() == 0
 
 
@@ -182,6 +185,7 @@ def test_routing_record_and_replay_cut_the_mismatch(tiny_moe):
 
 def _fast_paths_off(eng: Engine) -> Engine:
     eng._can_share_prefix = lambda: False
+    eng._can_decode_lean = lambda: False
     return eng
 
 
@@ -228,9 +232,70 @@ def test_fast_paths_are_off_while_noise_is_attached(tiny_llama):
     model, tok = tiny_llama
     eng = Engine(model, tok, noise=[build_noise("layer", sigma=1e-3)])
     try:
-        assert not eng._can_share_prefix()
+        assert not eng._can_share_prefix() and not eng._can_decode_lean()
         ro = eng.generate(["ab", "cd"], n=2, max_new_tokens=3, seed=0)
         assert eng._prompt_groups(ro.tokens, ro.attention_mask, ro.n_prompt) is None
     finally:
         eng.close()
-    assert Engine(model, tok)._can_share_prefix()
+    assert Engine(model, tok)._can_share_prefix() and Engine(model, tok)._can_decode_lean()
+    assert not Engine(model, tok, kv_cache=False)._can_decode_lean()
+
+
+# --- issue 9 lean decode loop: the model's own numbers, from a static KV cache ----------------
+
+
+def _teacher_forced_lean_logits(model, tok, prompts, forced):
+    """HF prefill of the left-padded prompts, then `LeanDecoder` fed `forced` [B, n] one column
+    at a time; returns the logits before each forced token [B, n + 1, V], the padded prompt ids
+    and mask, and the decoder."""
+    from transformers import DynamicCache
+
+    from harness.decode import LeanDecoder
+    from harness.engines import position_ids
+
+    ids, attn = Engine(model, tok).encode_prompts(prompts)
+    cache = DynamicCache()
+    with torch.no_grad():
+        first = model(
+            input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), cache=cache
+        ).logits[:, -1]
+    lean = LeanDecoder(model, cache, attn, forced.shape[1])
+    steps = [first] + [lean.step(forced[:, i]) for i in range(forced.shape[1])]
+    return torch.stack(steps, 1), ids, attn, lean
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama", "smollm2-135m"])
+def test_lean_decode_logits_equal_the_full_forward(spec):
+    """Teacher-forced: every decode step's logits equal the model's full forward over the whole
+    left-padded sequence (GQA in both; SmolLM2: 9 query / 3 KV heads, tied embeddings)."""
+    from harness import decode
+    from harness.engines import position_ids
+    from harness.models import load_model
+
+    model, tok = load_model(spec)
+    assert decode.supports(model)
+    prompts = ["12+3=", "a longer prompt here", "x"]
+    forced = torch.randint(3, 90, (3, 6))
+    lean, ids, attn, decoder = _teacher_forced_lean_logits(model, tok, prompts, forced)
+    full_ids = torch.cat([ids, forced], 1)
+    full_attn = torch.cat([attn, torch.ones_like(forced)], 1)
+    with torch.no_grad():
+        ref = model(
+            input_ids=full_ids, attention_mask=full_attn, position_ids=position_ids(full_attn)
+        ).logits[:, ids.shape[1] - 1 :]
+    scale = ref.abs().max()
+    assert (lean - ref).abs().max() / scale <= 1e-5, (lean - ref).abs().max()
+    with pytest.raises(RuntimeError, match="cache full"):
+        decoder.step(forced[:, 0])  # room was made for exactly forced.shape[1] tokens
+
+
+def test_lean_decode_is_off_where_it_would_not_be_exact(tiny_llama, tiny_moe):
+    from harness import decode
+
+    model, _ = tiny_llama
+    assert decode.supports(model)
+    h = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert not decode.supports(model)  # any hook (every noise model uses hooks)
+    h.remove()
+    assert decode.supports(model)
+    assert not decode.supports(tiny_moe[0])  # not a dense Llama
