@@ -38,7 +38,7 @@ bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~35 mi
 	mkdir -p results/bench
 	$(PY) benchmarks/bench_score.py --rounds 3
 	$(PY) benchmarks/bench_noise.py
-	$(PY) benchmarks/bench_objectives.py | tee results/bench/objectives.txt
+	$(PY) benchmarks/bench_objectives.py
 	$(PY) benchmarks/bench_measure.py | tee results/bench/measure.txt
 	$(PY) benchmarks/bench_step.py --model tiny --pairs 9
 	$(PY) benchmarks/bench_step.py --model smollm2-135m --pairs 4

@@ -2,6 +2,8 @@
 
     python benchmarks/bench_objectives.py [--batch 64] [--tokens 512] [--vocab 1024] [--reps 30]
 
+Writes results/bench/objectives.json (min/median/max per objective).
+
 Policy objectives take logp [B, T]; opsd_fkl takes student logits [B, T, V] and the teacher's,
 either full (top-128 taken here: topk dominates) or as an engine's top-128 capture, so its time
 grows with --vocab. calibrated_clip's shadow-pass `calibrate` is timed separately (it runs every
@@ -12,8 +14,11 @@ machine may be shared.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,8 +44,8 @@ def make_batch(B: int, T: int, g: torch.Generator) -> tuple[torch.Tensor, TokenB
     return logp, batch
 
 
-def median_ms(fn, reps: int) -> tuple[float, float]:
-    """Median (wall, CPU) milliseconds; CPU time is the fairer number on a shared machine."""
+def time_ms(fn, reps: int) -> dict[str, dict[str, float]]:
+    """min/median/max milliseconds, wall and CPU (CPU is the fairer number on a shared machine)."""
     for _ in range(3):
         fn()
     wall, cpu = [], []
@@ -49,7 +54,10 @@ def median_ms(fn, reps: int) -> tuple[float, float]:
         fn()
         wall.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
-    return statistics.median(wall), statistics.median(cpu)
+    return {
+        k: {"min": min(x), "median": statistics.median(x), "max": max(x)}
+        for k, x in (("wall_ms", wall), ("cpu_ms", cpu))
+    }
 
 
 def main() -> None:
@@ -59,13 +67,14 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="results/bench/objectives.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     B, T = args.batch, args.tokens
     logp0, batch = make_batch(B, T, g)
-    print(f"[{B}, {T}] batch, {torch.get_num_threads()} thread(s); median of {args.reps} reps")
-    print(f"{'objective':32s} {'wall ms':>8s} {'cpu ms':>8s}")
+    print(f"[{B}, {T}] batch, {torch.get_num_threads()} thread(s), {args.reps} reps")
+    print(f"{'objective':36s} {'wall ms median':>14s} {'cpu ms min / median / max':>26s}")
 
     def policy_step(obj):
         logp = logp0.clone().requires_grad_()
@@ -74,7 +83,7 @@ def main() -> None:
     rows = {}
     for name in sorted(set(OBJECTIVES) - {"opsd_fkl"}):
         obj = build_objective(name)
-        rows[name] = median_ms(lambda: policy_step(obj), args.reps)  # noqa: B023 (called now)
+        rows[name] = time_ms(lambda: policy_step(obj), args.reps)  # noqa: B023 (called now)
 
     teacher = torch.randn(B, T, args.vocab, generator=g)
     student = (teacher + torch.randn(B, T, args.vocab, generator=g)).requires_grad_()
@@ -90,13 +99,24 @@ def main() -> None:
             out = opsd(student, teacher, batch.mask)
         out.loss.backward()
 
-    rows[f"opsd_fkl (V={args.vocab}, top-k here)"] = median_ms(lambda: opsd_step(False), args.reps)
-    rows[f"opsd_fkl (V={args.vocab}, captured)"] = median_ms(lambda: opsd_step(True), args.reps)
+    rows[f"opsd_fkl (V={args.vocab}, top-k here)"] = time_ms(lambda: opsd_step(False), args.reps)
+    rows[f"opsd_fkl (V={args.vocab}, captured)"] = time_ms(lambda: opsd_step(True), args.reps)
     cc = build_objective("calibrated_clip")
     shadow = (logp0, batch.logp_old, logp0 + 0.01, batch.logp_old, batch.advantages, batch.mask)
-    rows["calibrated_clip.calibrate"] = median_ms(lambda: cc.calibrate(*shadow), args.reps)
-    for name, (wall, cpu) in rows.items():
-        print(f"{name:32s} {wall:8.2f} {cpu:8.2f}  {'ok' if cpu <= 50 else 'over 50 ms'}")
+    rows["calibrated_clip.calibrate"] = time_ms(lambda: cc.calibrate(*shadow), args.reps)
+    for name, t in rows.items():
+        c = t["cpu_ms"]
+        verdict = "ok" if c["median"] <= 50 else "over 50 ms"
+        print(
+            f"{name:36s} {t['wall_ms']['median']:14.2f} "
+            f"{c['min']:8.2f} / {c['median']:6.2f} / {c['max']:6.2f}  {verdict}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python", *sys.argv])
+    report = {"command": command, "batch": [B, T], "threads": args.threads, "reps": args.reps}
+    out.write_text(json.dumps({**report, "objectives": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -103,12 +103,7 @@ class RatiolabStep:
         t: dict[str, float] = {}
         t0 = time.perf_counter()
         ro = self.sampler.generate(prompts, n=GROUP, max_new_tokens=NEW_TOKENS, seed=seed)
-        texts = self.tok.batch_decode(
-            ro.response_ids * ro.response_mask.long(), skip_special_tokens=True
-        )
-        rewards = torch.tensor(
-            [self.task.reward(problems[i], s) for i, s in zip(ro.prompt_index.tolist(), texts)]
-        )
+        rewards = self.task.rollout_rewards(problems, ro, self.tok)
         adv = group_advantages(rewards, ro.prompt_index, "grpo")
         t["generate"] = time.perf_counter() - t0
         t1 = time.perf_counter()

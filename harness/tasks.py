@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
+import torch
+
 from harness.registry import register
 
 TASKS: dict[str, Callable] = {}
@@ -70,6 +72,16 @@ class Task:
 
     def reward(self, problem: Problem, response: str) -> float:
         raise NotImplementedError
+
+    def rollout_rewards(self, problems: list[Problem], ro, tokenizer) -> torch.Tensor:
+        """[B] reward of each rollout row (an `engines.Rollout`) against the problem its prompt
+        came from (`problems[ro.prompt_index[i]]`); text after the response mask is dropped."""
+        texts = tokenizer.batch_decode(
+            ro.response_ids * ro.response_mask.long(), skip_special_tokens=True
+        )
+        return torch.tensor(
+            [self.reward(problems[i], t) for i, t in zip(ro.prompt_index.tolist(), texts)]
+        )
 
 
 class ProceduralTask(Task):

@@ -275,10 +275,7 @@ def evaluate(engine: Engine, task: Task, problems, cfg: DictConfig) -> float:
         temperature=cfg.rollout.temperature,
         seed=cfg.seed,
     )
-    texts = engine.tokenizer.batch_decode(
-        ro.response_ids * ro.response_mask.long(), skip_special_tokens=True
-    )
-    return float(np.mean([task.reward(p, t) for p, t in zip(problems, texts)]))
+    return float(task.rollout_rewards(problems, ro, engine.tokenizer).mean())
 
 
 # --- the loop ----------------------------------------------------------------------------------
@@ -367,12 +364,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             top_k=cfg.rollout.top_k,
             seed=cfg.seed * 1_000_003 + step,
         )
-        texts = tok.batch_decode(
-            ro.response_ids * ro.response_mask.long(), skip_special_tokens=True
-        )
-        rewards = torch.tensor(
-            [task.reward(problems[i], t) for i, t in zip(ro.prompt_index.tolist(), texts)]
-        )
+        rewards = task.rollout_rewards(problems, ro, tok)
         adv = group_advantages(rewards, ro.prompt_index, cfg.advantage)
 
         keep = None

@@ -237,8 +237,7 @@ def evaluate_policy(
         forks.append(stats["p_t"][mask] < 0.5)
         ents.append(stats["entropy"][mask])
         lens.append(ro.response_mask.sum(1))
-        texts = tok.batch_decode(ro.response_ids, skip_special_tokens=True)
-        rewards += [task.reward(p, t) for p, t in zip(chunk, texts)]
+        rewards += task.rollout_rewards(chunk, ro, tok).tolist()
     return {
         "acc": sum(rewards) / n,
         "fork_frac": torch.cat(forks).float().mean().item(),

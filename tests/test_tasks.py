@@ -185,3 +185,41 @@ def test_jsonl_malformed_line_names_file_line_and_field(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "d.jsonl", [GSM[0], bad, GSM[1]])
     with pytest.raises(ValueError, match=message):
         task("jsonl", path=str(path))
+
+
+def test_rollout_rewards_match_rows_to_their_prompts_and_drop_masked_text():
+    """Rows follow `prompt_index`; tokens after the response mask (here a wrong '=<answer>' tail)
+    do not count. Expected rewards by hand: [1, 0, 1, 0]."""
+    import torch
+
+    from harness.engines import Rollout
+    from harness.models import char_tokenizer
+
+    tok, t = char_tokenizer(), task("arithmetic")
+    p0, p1 = t.sample(2, "train", seed=0)
+    texts = [  # (prompt index, response text, characters inside the response mask)
+        (0, p0.solution, len(p0.solution)),  # right
+        (0, p1.solution, len(p1.solution)),  # p1's solution answering p0: wrong
+        (1, p1.solution + "=" + p0.answer, len(p1.solution)),  # right: the wrong tail is masked
+        (1, "=" + p0.answer + "=" + p1.answer, len(p0.answer) + 1),  # wrong: the right tail is
+    ]
+    ids = [tok(s, add_special_tokens=False).input_ids for _, s, _ in texts]
+    T = max(map(len, ids))
+    resp = torch.full((4, T), tok.pad_token_id)
+    mask = torch.zeros(4, T)
+    for r, (x, (_, _, keep)) in enumerate(zip(ids, texts)):
+        resp[r, : len(x)] = torch.tensor(x)
+        mask[r, :keep] = 1
+    z = torch.zeros(4, T)
+    ro = Rollout(
+        prompt_ids=torch.ones(4, 1, dtype=torch.long),
+        prompt_mask=torch.ones(4, 1, dtype=torch.long),
+        response_ids=resp,
+        response_mask=mask,
+        logp_mu=z,
+        logp_mu_raw=z,
+        support=None,
+        prompt_index=torch.tensor([i for i, _, _ in texts]),
+    )
+    assert p0.answer != p1.answer
+    assert t.rollout_rewards([p0, p1], ro, tok).tolist() == [1.0, 0.0, 1.0, 0.0]
