@@ -41,6 +41,7 @@ bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~35 mi
 	$(PY) benchmarks/bench_objectives.py
 	$(PY) benchmarks/bench_measure.py | tee results/bench/measure.txt
 	$(PY) benchmarks/bench_step.py --model tiny --pairs 9
+	$(PY) benchmarks/bench_step.py --model task-model --pairs 9
 	$(PY) benchmarks/bench_step.py --model smollm2-135m --pairs 4
 	$(PY) benchmarks/bench_flops.py --pairs 5
 

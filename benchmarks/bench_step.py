@@ -1,6 +1,7 @@
 """Step time of ratiolab's GRPO step vs TRL's GRPOTrainer on the same work (issue 9, item 1).
 
     python benchmarks/bench_step.py --model tiny --pairs 7
+    python benchmarks/bench_step.py --model task-model --pairs 7
     python benchmarks/bench_step.py --model smollm2-135m --pairs 5
 
 Same work on both sides: 8 prompts × 4 generations, 32 new tokens (EOS disabled on both, so every
@@ -57,11 +58,24 @@ INSTRUCTION = (
 )
 
 
+# the issue's "4-layer d = 128 tiny Llama": the arithmetic task model of session 1 (0.88M params),
+# rebuilt from its recipe; `task-model` is the current default recipe (2.9M params)
+TINY_RECIPE = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    steps=650,
+)
+
+
 def load(spec: str):
-    if spec == "tiny":
+    if spec in ("tiny", "task-model"):
         from harness.warmstart import load_task_model
 
-        model, tok = load_task_model("arithmetic", progress=False)
+        recipe = TINY_RECIPE if spec == "tiny" else {}
+        model, tok = load_task_model("arithmetic", progress=True, **recipe)
         return model, tok, ""
     from harness.models import load_model
 
@@ -236,7 +250,10 @@ def write_summary(folder: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "--model", default="tiny", help="tiny (the arithmetic task model) | smollm2-135m"
+        "--model",
+        default="tiny",
+        help="tiny (4 layers, d = 128: the issue's tiny Llama, session 1's task model) | "
+        "task-model (the default arithmetic task model, 6 layers, d = 192) | smollm2-135m",
     )
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=1)

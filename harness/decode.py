@@ -1,12 +1,13 @@
 """Lean KV-cache decoding for dense Llama models (issue 9).
 
-At the size of the task model (4 layers, d = 128) a decode step of the Hugging Face model is mostly
-Python and tensor bookkeeping: per step it builds a causal mask, concatenates every layer's KV
-cache and calls ~30 modules. `LeanDecoder` runs the same arithmetic as `LlamaForCausalLM` on the
-model's own weights with a preallocated (static) KV cache, and nothing else. The prompt is still
-prefilled by the Hugging Face model (once per generate call), so only the per-token decode steps
-take this path; its logits equal the model's to float rounding (SmolLM2: bit-identical rollouts;
-tests/test_engines.py compares teacher-forced logits and whole rollouts).
+At the size of the task models (d = 128–192, 4–6 layers) a decode step of the Hugging Face model
+is mostly Python and tensor bookkeeping: per step it builds a causal mask, concatenates every
+layer's KV cache and calls ~30 modules. `LeanDecoder` runs the same arithmetic as
+`LlamaForCausalLM` on the model's own weights with a preallocated (static) KV cache, and nothing
+else. The prompt is still prefilled by the Hugging Face model (once per generate call), so only
+the per-token decode steps take this path; its logits equal the model's to float rounding
+(SmolLM2: bit-identical rollouts; tests/test_engines.py compares teacher-forced logits and whole
+rollouts).
 
 Only used where it is exact: a plain `LlamaForCausalLM` (no biases, SiLU MLP) with no hooks on any
 module, so attached noise models (which all work through hooks) always take the full model path.

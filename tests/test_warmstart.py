@@ -146,7 +146,7 @@ def test_cli_composes_and_runs(cache):
 
 @pytest.mark.slow
 def test_recipe_base_policy_in_band(cache):
-    """The full arithmetic recipe (~2.5 min): 10–60% eval accuracy and a minority of forks."""
+    """The full arithmetic recipe (~7 min): 10–60% eval accuracy and a minority of forks."""
     model, tok = W.load_task_model("arithmetic", progress=False)
     out = W.evaluate_policy(model, tok, W.build_task(W.resolve_recipe("arithmetic")), n=512)
     assert 0.10 <= out["acc"] <= 0.60
