@@ -5,9 +5,9 @@ is mostly Python and tensor bookkeeping: per step it builds a causal mask, conca
 layer's KV cache and calls ~30 modules. `LeanDecoder` runs the same arithmetic as
 `LlamaForCausalLM` on the model's own weights with a preallocated (static) KV cache, and nothing
 else. The prompt is still prefilled by the Hugging Face model (once per generate call), so only
-the per-token decode steps take this path; its logits equal the model's to float rounding
-(SmolLM2: bit-identical rollouts; tests/test_engines.py compares teacher-forced logits and whole
-rollouts).
+the per-token decode steps take this path. It calls the same kernels in the same order as the
+Hugging Face decode step, so rollouts are bit-identical to it, in fp32 and bf16
+(tests/test_engines.py; also teacher-forced logits against the full forward).
 
 Only used where it is exact: a plain `LlamaForCausalLM` (no biases, SiLU MLP) with no hooks on any
 module, so attached noise models (which all work through hooks) always take the full model path.
@@ -92,12 +92,27 @@ class LeanDecoder:
             self.values.append(v)
         self.key_mask = torch.ones(B, 1, 1, L, dtype=torch.bool)  # False: left padding
         self.key_mask[:, 0, 0, :P] = prompt_mask.bool()
+        self.padded = not bool(prompt_mask.bool().all())
         # RoPE tables from the model's own rotary module (its scaling rules included)
         pos = torch.arange(L)[None]
         cos, sin = m.rotary_emb(self.embed[:1, None], pos)
         self.cos, self.sin = cos[0], sin[0]  # [L, head_dim]
         self.pos = prompt_mask.long().sum(1) - 1  # position of the last token written, per row
         self.t = P  # next cache slot
+
+    def _attend(self, q: Tensor, K: Tensor, V: Tensor, mask: Tensor) -> Tensor:
+        """SDPA called as transformers calls it for one query token, so the kernels (and the
+        rounding, which matters in bf16) are the same: without padding no mask and native GQA;
+        with padding the query heads of each KV group packed as query positions, plus the mask."""
+        B, nh, d = q.shape
+        nkv = K.shape[1]
+        if not self.padded:
+            return F.scaled_dot_product_attention(
+                q[:, :, None], K, V, scale=self.scale, enable_gqa=nh != nkv
+            )
+        return F.scaled_dot_product_attention(
+            q.view(B, nkv, nh // nkv, d), K, V, attn_mask=mask, scale=self.scale
+        )
 
     @torch.no_grad()
     def step(self, tok: Tensor) -> Tensor:
@@ -115,14 +130,8 @@ class LeanDecoder:
             h = _rms(x, ln1, self.eps)
             K[:, :, t] = _rotate(F.linear(h, wk).view(B, nkv, d), cos, sin)
             V[:, :, t] = F.linear(h, wv).view(B, nkv, d)
-            a = F.scaled_dot_product_attention(
-                _rotate(F.linear(h, wq).view(B, nh, d), cos, sin)[:, :, None],
-                K[:, :, : t + 1],
-                V[:, :, : t + 1],
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=nh != nkv,
-            )
+            q = _rotate(F.linear(h, wq).view(B, nh, d), cos, sin)
+            a = self._attend(q, K[:, :, : t + 1], V[:, :, : t + 1], mask)
             x = x + F.linear(a.reshape(B, nh * d), wo)
             h = _rms(x, ln2, self.eps)
             x = x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
