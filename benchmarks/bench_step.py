@@ -58,23 +58,12 @@ INSTRUCTION = (
 )
 
 
-# the issue's "4-layer d = 128 tiny Llama": the arithmetic task model of session 1 (0.88M params),
-# rebuilt from its recipe; `task-model` is the current default recipe (2.9M params)
-TINY_RECIPE = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    steps=650,
-)
-
-
 def load(spec: str):
+    """tiny: the issue's 4-layer d = 128 Llama (SMALL_ARITHMETIC); task-model: the default."""
     if spec in ("tiny", "task-model"):
-        from harness.warmstart import load_task_model
+        from harness.warmstart import SMALL_ARITHMETIC, load_task_model
 
-        recipe = TINY_RECIPE if spec == "tiny" else {}
+        recipe = SMALL_ARITHMETIC if spec == "tiny" else {}
         model, tok = load_task_model("arithmetic", progress=True, **recipe)
         return model, tok, ""
     from harness.models import load_model

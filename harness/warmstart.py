@@ -50,16 +50,24 @@ COMMON = dict(
     wrong_frac=0.0,
     seed=0,
 )
-# arithmetic: 2.9M params, 1000 SFT steps (~7 min on 1 quiet CPU core) stop inside the phase
-# where the model is learning carries: eval acc ≈ 0.37 at T = 1, ~4% fork tokens, and clean GRPO
-# (16 prompts x 8, AdamW 1e-4) gains > 0.15 within 300 steps. Until 2026-11-29 (session 2) the
-# recipe was 128 wide, 4 layers, 4 heads, intermediate 384, 650 steps (0.88M params, acc ≈ 0.37);
-# the committed training figures in results/ used that model (model.warmstart.* overrides
-# rebuild it).
+# arithmetic: 2.9M params, 1000 SFT steps (~6.5 min on 1 quiet CPU core) stop inside the phase
+# where the model is learning carries: eval acc ≈ 0.4 at T = 1, ~4% fork tokens, and clean GRPO
+# (16 prompts x 8, AdamW 1e-4) gains > 0.15 within 300 steps.
 RECIPES = {
     "arithmetic": dict(COMMON, steps=1000, task_kwargs=dict(digits=2, ops="+-")),
     "countdown": dict(COMMON, task_kwargs=dict(n_numbers=3, max_number=10)),
 }
+# The arithmetic default until session 2 (0.88M params, acc ≈ 0.37): the committed training
+# figures in results/ used it, and it is issue 9's "4-layer d = 128 tiny Llama".
+# load_task_model("arithmetic", **SMALL_ARITHMETIC) rebuilds it (same recipe hash as then).
+SMALL_ARITHMETIC = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    steps=650,
+)
 MODEL_KEYS = (
     "hidden_size",
     "intermediate_size",

@@ -151,3 +151,12 @@ def test_recipe_base_policy_in_band(cache):
     out = W.evaluate_policy(model, tok, W.build_task(W.resolve_recipe("arithmetic")), n=512)
     assert 0.10 <= out["acc"] <= 0.60
     assert 0.01 <= out["fork_frac"] <= 0.3
+
+
+def test_small_arithmetic_recipe_keeps_its_hash():
+    """The committed training figures name the model they used by this hash (results/README.md);
+    a change to the recipe defaults or the hashing must not silently point it elsewhere."""
+    recipe = W.resolve_recipe("arithmetic", **W.SMALL_ARITHMETIC)
+    assert W.recipe_hash(recipe) == "2ba4eb992777"
+    assert recipe["hidden_size"] == 128 and recipe["num_hidden_layers"] == 4
+    assert W.recipe_hash(W.resolve_recipe("arithmetic")) != "2ba4eb992777"
