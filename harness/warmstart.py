@@ -52,7 +52,9 @@ COMMON = dict(
 )
 # arithmetic: 2.9M params, 1000 SFT steps (~6.5 min on 1 quiet CPU core) stop inside the phase
 # where the model is learning carries: eval acc ≈ 0.4 at T = 1, ~4% fork tokens, and clean GRPO
-# (16 prompts x 8, AdamW 1e-4) gains > 0.15 within 300 steps.
+# (16 prompts x 8, AdamW 1e-4) gains > 0.15 within 300 steps. countdown (3 numbers ≤ 10): same
+# shape and 1000 steps (~9 min): eval acc ≈ 0.18, ~20% fork tokens; clean GRPO 0.19 → 0.36 in 300
+# steps (results/LOG.md).
 RECIPES = {
     "arithmetic": dict(COMMON, steps=1000, task_kwargs=dict(digits=2, ops="+-")),
     "countdown": dict(COMMON, task_kwargs=dict(n_numbers=3, max_number=10)),
