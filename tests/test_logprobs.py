@@ -37,25 +37,35 @@ def test_replay_mask_keeps_the_sampled_token():
     assert m.tolist() == [[[True, False, True, False], [False, False, False, True]]]
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("use_keep", [False, True])
-def test_chunked_logp_matches_naive_value_and_grad(temperature, use_keep):
-    N, H, V = 37, 8, 50
+def _logp_case(use_keep: bool, N: int = 37, H: int = 8, V: int = 50):
+    """float64 hidden states and head (with grad), targets, an optional support mask that keeps
+    each target, and an upstream gradient."""
     h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
     W = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, V, (N,))
     keep = torch.rand(N, V) < 0.5 if use_keep else None
     if keep is not None:
         keep[torch.arange(N), y] = True
-    g = torch.randn(N, dtype=torch.float64)
+    return h, W, y, keep, torch.randn(N, dtype=torch.float64)
+
+
+def _naive_logp(h, W, y, temperature, keep):
+    """The full-vocabulary log-softmax the chunked path must equal."""
+    z = (h @ W.t()) / temperature
+    if keep is not None:
+        z = z.masked_fill(~keep, float("-inf"))
+    return z.log_softmax(-1).gather(1, y[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("use_keep", [False, True])
+def test_chunked_logp_matches_naive_value_and_grad(temperature, use_keep):
+    h, W, y, keep, g = _logp_case(use_keep)
     out = chunked_logp(h, W, y, temperature, keep, chunk=8)
     (out * g).sum().backward()
     gh, gW = h.grad.clone(), W.grad.clone()
     h.grad = W.grad = None
-    z = (h @ W.t()) / temperature
-    if keep is not None:
-        z = z.masked_fill(~keep, float("-inf"))
-    ref = z.log_softmax(-1).gather(1, y[:, None])[:, 0]
+    ref = _naive_logp(h, W, y, temperature, keep)
     (ref * g).sum().backward()
     assert torch.allclose(out.double(), ref, atol=1e-5)
     assert torch.allclose(gh, h.grad, atol=1e-5)
@@ -77,14 +87,7 @@ def test_chunked_stats_by_hand():
 def test_chunked_logp_single_chunk_keeps_softmax_same_value_and_grad(temperature, use_keep):
     """N ≤ chunk: the backward reuses the forward's softmax; equal to the recompute path and to
     the naive log-softmax, and a second backward (retain_graph) gives the same gradient."""
-    N, H, V = 37, 8, 50
-    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
-    W = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
-    y = torch.randint(0, V, (N,))
-    keep = torch.rand(N, V) < 0.5 if use_keep else None
-    if keep is not None:
-        keep[torch.arange(N), y] = True
-    g = torch.randn(N, dtype=torch.float64)
+    h, W, y, keep, g = _logp_case(use_keep)
     grads = []
     for chunk in (64, 8):  # single chunk (kept softmax), then several (recompute)
         out = chunked_logp(h, W, y, temperature, keep, chunk=chunk)
@@ -95,10 +98,7 @@ def test_chunked_logp_single_chunk_keeps_softmax_same_value_and_grad(temperature
         loss.backward()
         assert torch.allclose(h.grad, grads[-1][1]) and torch.allclose(W.grad, grads[-1][2])
         h.grad = W.grad = None
-    z = (h @ W.t()) / temperature
-    if keep is not None:
-        z = z.masked_fill(~keep, float("-inf"))
-    ref = z.log_softmax(-1).gather(1, y[:, None])[:, 0]
+    ref = _naive_logp(h, W, y, temperature, keep)
     (ref * g).sum().backward()
     for out, gh, gW in grads:
         assert torch.allclose(out.double(), ref, atol=1e-5)
