@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ratiolab-installed
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: setup demo test test-fast lint bench figures clean-venv
+.PHONY: setup demo test test-fast test-recipe lint bench figures clean-venv
 
 setup: $(STAMP)
 
@@ -24,11 +24,14 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)  ## the main job on the embedded default model (smollm2-135m, CPU)
 	$(PY) -m harness.measure
 
-test: $(STAMP)  ## the whole suite CI runs: fast + slow (real model), no GPU tests
-	$(PY) -m pytest -m "not gpu"
+test: $(STAMP)  ## the whole suite CI runs: fast + slow (real model), no GPU tests, no rebuilds
+	$(PY) -m pytest -m "not gpu and not recipe"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest
+
+test-recipe: $(STAMP)  ## rebuild the default task model from its recipe and check its band (~8 min)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m recipe -s
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,8 @@ import yaml
 METRICS = [
     "reward/mean", "eval/acc", "entropy/mean", "response/len", "clip/frac_low", "clip/frac_high",
     "mask/frac", "rescue/frac", "dial/out_of_band_frac", "dial/mean_abs_delta", "is/weight_mean",
-    "kl/k3", "repetition/terminal_loop_rate", "repetition/rate", "collapse/events", "time/step_s",
+    "dial/kl_k3", "repetition/terminal_loop_rate", "repetition/rate", "collapse/events",
+    "time/step_s",
 ]  # fmt: skip
 
 
@@ -63,6 +66,8 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
     frames = []
     for run in sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl")):
         cfg = yaml.safe_load((run / "config.yaml").read_text())
+        meta_path = run / "meta.json"
+        model = json.loads(meta_path.read_text()).get("model", {}) if meta_path.exists() else {}
         m = pd.DataFrame(
             [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().split("\n") if ln]
         )
@@ -74,13 +79,39 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
             objective=cfg["objective"]["name"],
             noise=cfg["noise"]["name"], sigma=cfg["noise"].get("sigma"),
             staleness=cfg["alpha"]["staleness"], logp_old_source=cfg["engine"]["logp_old_source"],
-            steps=cfg["steps"],
+            steps=cfg["steps"], weights_sha=model.get("weights_sha"),
+            recipe_hash=model.get("recipe_hash"),
         ))  # fmt: skip
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def load_summary(root: Path, exp: str) -> pd.DataFrame:
-    return pd.read_csv(Path(root) / exp / "summary.csv")
+    """The committed summary; warns loudly when it does not name its model's weights checksum or
+    names one that is not the shipped model of its recipe."""
+    path = Path(root) / exp / "summary.csv"
+    df = pd.read_csv(path, dtype={"weights_sha": str, "recipe_hash": str})
+    for problem in weights_problems(df):
+        warnings.warn(f"{path}: {problem}", stacklevel=2)
+        print(f"WARNING {path}: {problem}", file=sys.stderr, flush=True)
+    return df
+
+
+def weights_problems(df: pd.DataFrame) -> list[str]:
+    """Why the model behind these runs is not pinned by content (empty: every run names the
+    shipped weights of its recipe)."""
+    from harness.warmstart import shipped_manifest
+
+    if "weights_sha" not in df or df.weights_sha.isna().any():
+        return [
+            "some runs do not record the weights checksum of their model (made before "
+            "checksums were recorded): the recipe hash alone does not pin the model"
+        ]
+    manifest, out = shipped_manifest(), []
+    for (recipe, sha), _ in df.groupby(["recipe_hash", "weights_sha"], dropna=False):
+        if isinstance(recipe, str) and manifest.get(recipe, {}).get("weights_sha") != sha:
+            out.append(f"runs of recipe {recipe} used weights {sha}, not the shipped "
+                       f"{manifest.get(recipe, {}).get('weights_sha')}")  # fmt: skip
+    return out
 
 
 def smooth(df: pd.DataFrame, cols: list[str], window: int = 5) -> pd.DataFrame:

@@ -6,6 +6,7 @@ Nothing here downloads at run time except `load_model("<hub id>")`, which is for
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -43,6 +44,18 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("RATIOLAB_CACHE", Path.home() / ".cache" / "ratiolab"))
+
+
+def weights_sha(model: nn.Module) -> str:
+    """The model's name by content: 16 hex digits of sha256 over its state dict (sorted names,
+    shapes and float32 values; exact for fp16/bf16 weights, so a half-precision file and its
+    float32 load share one checksum). Equal checksums mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        h.update(f"{name}:{tuple(t.shape)};".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 # --- tiny character-level tokenizer (tests, task models) ---------------------------------------

@@ -1,14 +1,22 @@
 """Task models: a small Llama trained from scratch by SFT on prompt + solver trace (issue 6).
 
 The base policy should be partly competent (10–60% eval accuracy when sampled at T = 1) with a
-minority of uncertain "fork" tokens, so that GRPO has signal and noise has forks to hit. Models
-are cached by a hash of their resolved recipe under `$RATIOLAB_CACHE/task-models/<hash>/` (a
-standard HF folder, written to a temp dir and renamed), and are reproducible by seed.
+minority of uncertain "fork" tokens, so that GRPO has signal and noise has forks to hit.
 
-    python -m harness.warmstart task=arithmetic            # build (or find) and evaluate
-    python -m harness.warmstart task=countdown steps=600   # any recipe field can be overridden
-    python -m harness.warmstart +task.digits=3             # and any task kwarg (task group keys)
-    model, tok = load_task_model("arithmetic")              # from code; builds when missing
+The default recipes ship with the project (issue 12): `harness/task_models/<recipe hash>/` holds
+the fp16 weights, and `manifest.json` their weights checksum (`weights_sha`) and base
+evaluation. Those files are the canonical models that results cite: the same recipe trained on
+another CPU can differ in its last bits (kernels differ), so a recipe hash alone does not pin a
+model. Loading a shipped recipe verifies its checksum and never trains. Any other recipe (or
+`rebuild=True`) is trained into `$RATIOLAB_CACHE/task-models/<hash>/` (a standard HF folder,
+written to a temp dir and renamed), reproducible by seed on one machine.
+
+    python -m harness.warmstart task=arithmetic             # load (or build) and evaluate
+    python -m harness.warmstart task=arithmetic rebuild=true  # train from the recipe; bit-equal?
+    python -m harness.warmstart task=countdown steps=600    # any recipe field can be overridden
+    python -m harness.warmstart +task.digits=3              # and any task kwarg (task group keys)
+    python -m harness.warmstart task=arithmetic ship=arithmetic   # maintainers: re-ship
+    model, tok = load_task_model("arithmetic")               # from code
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
+import platform
 import random
 import shutil
 import tempfile
@@ -29,10 +39,12 @@ from tqdm.auto import trange
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from harness.engines import Engine
-from harness.models import cache_dir, char_tokenizer
+from harness.io import write_json_atomic
+from harness.models import cache_dir, char_tokenizer, weights_sha
 from harness.registry import build
 from harness.tasks import TASKS, Problem, Task
 
+SHIPPED = Path(__file__).parent / "task_models"  # the canonical task models
 RECIPE_VERSION = 1  # bump when the training code changes what a recipe produces
 
 COMMON = dict(
@@ -46,6 +58,7 @@ COMMON = dict(
     batch_size=64,
     lr=2e-3,
     warmup=50,
+    decay="cosine",
     weight_decay=0.01,
     wrong_frac=0.0,
     seed=0,
@@ -56,8 +69,8 @@ COMMON = dict(
 # shape and 1000 steps (~9 min): eval acc ≈ 0.18, ~20% fork tokens; clean GRPO 0.19 → 0.36 in 300
 # steps (results/LOG.md).
 RECIPES = {
-    "arithmetic": dict(COMMON, steps=1000, task_kwargs=dict(digits=2, ops="+-")),
-    "countdown": dict(COMMON, task_kwargs=dict(n_numbers=3, max_number=10)),
+    "arithmetic": dict(COMMON, steps=400, task_kwargs=dict(digits=2, ops="+-")),
+    "countdown": dict(COMMON, steps=600, task_kwargs=dict(n_numbers=3, max_number=10)),
 }
 # The arithmetic default until session 2 (0.88M params, acc ≈ 0.37): the committed training
 # figures in results/ used it, and it is issue 9's "4-layer d = 128 tiny Llama".
@@ -69,7 +82,12 @@ SMALL_ARITHMETIC = dict(
     num_attention_heads=4,
     num_key_value_heads=4,
     steps=650,
+    decay="constant",
 )
+# Fields added after recipe version 1, with the value version 1 implied: a recipe that keeps that
+# value hashes as it did then (so "2ba4eb992777" still names SMALL_ARITHMETIC's recipe).
+V1_IMPLIED = {"decay": "constant"}
+DECAYS = ("cosine", "constant")
 MODEL_KEYS = (
     "hidden_size",
     "intermediate_size",
@@ -93,7 +111,9 @@ def resolve_recipe(task: str, **overrides) -> dict:
 
 
 def recipe_hash(cfg: dict) -> str:
-    """12 hex digits of sha256 over the canonical JSON of the recipe and RECIPE_VERSION."""
+    """12 hex digits of sha256 over the canonical JSON of the recipe and RECIPE_VERSION (fields at
+    their V1_IMPLIED value left out)."""
+    cfg = {k: v for k, v in cfg.items() if not (k in V1_IMPLIED and V1_IMPLIED[k] == v)}
     blob = json.dumps({"cfg": cfg, "version": RECIPE_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -160,8 +180,16 @@ def sft_loss(model: PreTrainedModel, input_ids, attn, labels) -> torch.Tensor:
 
 
 def lr_at(step: int, cfg: dict) -> float:
-    """Linear warm-up, then constant: a shorter run equals an early-stopped longer one."""
-    return cfg["lr"] * min(1.0, (step + 1) / cfg["warmup"])
+    """Linear warm-up, then cosine decay to 0 at the last step (`decay="cosine"`: the model ends
+    where the updates are tiny, so last-bit kernel differences cannot move it far) or constant
+    (`decay="constant"`, recipe version 1)."""
+    if cfg["decay"] not in DECAYS:
+        raise ValueError(f"warm-start: decay={cfg['decay']!r}; valid: {', '.join(DECAYS)}")
+    warm = min(1.0, (step + 1) / cfg["warmup"])
+    if cfg["decay"] == "constant" or step < cfg["warmup"]:
+        return cfg["lr"] * warm
+    frac = (step + 1 - cfg["warmup"]) / max(1, cfg["steps"] - cfg["warmup"])
+    return cfg["lr"] * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
 def train_task_model(
@@ -211,17 +239,85 @@ def save_atomic(model: PreTrainedModel, tok, cfg: dict, dest: Path) -> Path:
     return dest
 
 
+def shipped_manifest() -> dict[str, dict]:
+    """recipe hash -> the shipped model's record (name, recipe, weights_sha, base evaluation)."""
+    path = SHIPPED / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def load_task_model(
-    task: str, progress: bool = True, **overrides
+    task: str, progress: bool = True, rebuild: bool = False, **overrides
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """The warm-started model for `task` (recipe defaults + overrides), trained when not cached."""
+    """The task model for `task` (recipe defaults + overrides). A recipe that ships with the
+    project loads its shipped weights (harness/task_models/<recipe hash>/, checked against the
+    manifest's checksum); any other recipe, or `rebuild=True`, is trained from the recipe into
+    $RATIOLAB_CACHE/task-models/<hash>/ when not cached there."""
     cfg = resolve_recipe(task, **overrides)
-    dest = task_model_dir(cfg)
-    if not (dest / "recipe.json").exists():
+    h = recipe_hash(cfg)
+    entry = None if rebuild else shipped_manifest().get(h)
+    path = SHIPPED / h if entry else task_model_dir(cfg)
+    if not entry and not (path / "recipe.json").exists():
         model, tok = train_task_model(cfg, progress)
-        save_atomic(model, tok, cfg, dest)
-    model = LlamaForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
-    return model, PreTrainedTokenizerFast.from_pretrained(dest)
+        save_atomic(model, tok, cfg, path)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if entry and weights_sha(model) != entry["weights_sha"]:
+        raise RuntimeError(
+            f"shipped task model {path} has weights checksum {weights_sha(model)}, but the "
+            f"manifest (and every result that cites recipe {h}) names {entry['weights_sha']}: "
+            "the file is damaged or was replaced; restore it with `git checkout -- "
+            f"harness/task_models/{h}`"
+        )
+    return model, PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def model_identity(model: PreTrainedModel, spec: str, recipe: dict | None = None) -> dict:
+    """What a run records about its model: the spec, the weights checksum and, for task models,
+    the recipe hash and whether the weights are the shipped ones for that recipe."""
+    out = {"spec": spec, "weights_sha": weights_sha(model)}
+    if recipe is not None:
+        h = recipe_hash(recipe)
+        shipped = shipped_manifest().get(h, {}).get("weights_sha")
+        out.update(
+            recipe_hash=h, shipped_weights_sha=shipped, shipped=shipped == out["weights_sha"]
+        )
+    return out
+
+
+def cpu_name() -> str:
+    """The CPU model (the kernels' last bits depend on it), from /proc/cpuinfo where present."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def ship_task_model(name: str, task: str, eval_n: int = 512, eval_seed: int = 123, **overrides):
+    """Build the recipe (or take it from the cache), round it to fp16, write it to
+    harness/task_models/<hash>/ and record its checksum and base evaluation in the manifest."""
+    cfg = resolve_recipe(task, **overrides)
+    h = recipe_hash(cfg)
+    model, tok = load_task_model(task, rebuild=True, **overrides)
+    built_sha = weights_sha(model)
+    shutil.rmtree(SHIPPED / h, ignore_errors=True)  # re-shipping replaces the old weights
+    save_atomic(model.half(), tok, cfg, SHIPPED / h)
+    model = LlamaForCausalLM.from_pretrained(SHIPPED / h, dtype=torch.float32).eval()
+    base = evaluate_policy(model, tok, build_task(cfg), eval_n, seed=eval_seed)
+    manifest = shipped_manifest()
+    manifest[h] = {
+        "name": name,
+        "task": task,
+        "overrides": overrides,
+        "weights_sha": weights_sha(model),
+        "fp32_build_weights_sha": built_sha,
+        "params": sum(p.numel() for p in model.parameters()),
+        "base": {**base, "eval_n": eval_n, "eval_seed": eval_seed, "temperature": 1.0},
+        "built_with": {"torch": torch.__version__, "cpu": cpu_name()},
+    }
+    write_json_atomic(SHIPPED / "manifest.json", manifest)
+    return manifest[h]
 
 
 @torch.no_grad()
@@ -259,27 +355,60 @@ def evaluate_policy(
     }
 
 
+def rebuild_report(model: PreTrainedModel, recipe: dict) -> dict:
+    """Whether a model trained here from `recipe` is the shipped one bit for bit: its fp32
+    checksum against the shipped build's, and its fp16 rounding against the shipped weights."""
+    entry = shipped_manifest().get(recipe_hash(recipe))
+    if entry is None:
+        return {"shipped": None}
+    return {
+        "shipped_weights_sha": entry["weights_sha"],
+        "fp32_equal_to_shipped_build": weights_sha(model) == entry["fp32_build_weights_sha"],
+        "fp16_equal_to_shipped": weights_sha(copy.deepcopy(model).half()) == entry["weights_sha"],
+        "shipped_base": entry["base"],
+    }
+
+
 def main_cli(cfg) -> dict:
-    """Build (or find) the task model for cfg.task.name (other cfg.task keys: task kwargs) with the
-    non-null recipe overrides, and evaluate it."""
+    """Find (shipped or cached) or build the task model for cfg.task.name (other cfg.task keys:
+    task kwargs) with the non-null recipe overrides, and evaluate it. `rebuild=true` trains from
+    the recipe even when the model ships and says whether it reproduced the shipped weights;
+    `ship=<name>` writes the build into harness/task_models/ (maintainers); `out=<file.json>`
+    also writes the report there."""
     from omegaconf import OmegaConf
 
     raw = OmegaConf.to_container(cfg, resolve=True)
     eval_n, eval_seed = raw.pop("eval_n"), raw.pop("eval_seed")
+    rebuild, ship, out = raw.pop("rebuild"), raw.pop("ship"), raw.pop("out")
     task_kwargs = raw.pop("task")
     task = task_kwargs.pop("name")
     overrides = {k: v for k, v in raw.items() if v is not None and k != "hydra"}
     if task_kwargs:
         overrides["task_kwargs"] = task_kwargs
     recipe = resolve_recipe(task, **overrides)
-    dest = task_model_dir(recipe)
     t0 = time.time()
-    model, tok = load_task_model(task, **overrides)
-    print(f"[warmstart] {dest} ({time.time() - t0:.0f} s)", flush=True)
-    n_params = sum(p.numel() for p in model.parameters())
-    report = {"path": str(dest), "params": n_params}
+    if ship:
+        entry = ship_task_model(ship, task, eval_n, eval_seed, **overrides)
+        print(json.dumps(entry, indent=2), flush=True)
+        return entry
+    model, tok = load_task_model(task, rebuild=rebuild, **overrides)
+    h = recipe_hash(recipe)
+    where = task_model_dir(recipe) if rebuild or h not in shipped_manifest() else SHIPPED / h
+    print(f"[warmstart] {where} ({time.time() - t0:.0f} s)", flush=True)
+    report = {
+        "path": str(where),
+        "recipe_hash": h,
+        "recipe": recipe,
+        "weights_sha": weights_sha(model),
+    }
+    report["params"] = sum(p.numel() for p in model.parameters())
     report.update(evaluate_policy(model, tok, build_task(recipe), eval_n, seed=eval_seed))
+    report.update(eval_n=eval_n, eval_seed=eval_seed, build_s=round(time.time() - t0, 1))
+    if rebuild:
+        report["rebuild"] = rebuild_report(model, recipe)
     print(json.dumps(report, indent=2), flush=True)
+    if out:
+        write_json_atomic(out, report)
     return report
 
 
