@@ -3,7 +3,7 @@
 
     python benchmarks/bench_flops.py [--threads 1 --pairs 5]
 
-The trainer pass is the loop's: `trainer_logp` (Engine.hidden_states + chunked fused log-softmax
+The trainer pass is the loop's: `Engine.logp(grad=True)` (hidden states + chunked fused log-softmax
 on the response positions) on 32 rows = 8 prompts × 4 samples, ~40 prompt + 32 response tokens,
 then backward. FLOPs are counted by `torch.utils.flop_counter.FlopCounterMode` on one untimed
 pass (every matmul, attention and the chunked backward's recompute: the work actually executed),
@@ -29,7 +29,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from harness.engines import Engine
 from harness.models import load_model
 from harness.tasks import arithmetic
-from harness.train import trainer_logp
 
 INSTRUCTION = (
     "You are a careful assistant. Solve the arithmetic problem below, showing the carries digit "
@@ -67,7 +66,7 @@ def main() -> None:
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        logp = trainer_logp(eng, ro, rows, None)
+        logp = eng.logp(ro, rows, grad=True, stats=False)["logp"]
         (logp * ro.response_mask).sum().backward()
 
     step()  # warm-up

@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from harness.snr import BinnedMoments, SNRSplit, bin_index
+from harness.diagnostics import bin_index
+from harness.snr import BinnedMoments, SNRSplit
 
 
 def main() -> None:

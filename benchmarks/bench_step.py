@@ -12,14 +12,14 @@ comparison is against TRL's fastest configuration for this work.
 
 Both run in one process, interleaved: TRL's `train()` runs warm-up + pairs steps, and a callback
 times each TRL step (on_step_begin → on_step_end) and then runs and times one ratiolab step per
-variant. The ratiolab step is `harness.train.run`'s per-step work built from the same functions:
-`Engine.generate` (the sampler's own copy of the weights), `group_advantages`,
-`trainer_logp`, the registered objective, fused AdamW, `WeightHistory.push` and the weight sync
-to the sampler. Variant `loop` is what `harness.train` does at staleness 0 with one minibatch:
-the training pass doubles as π_old (π_old := detached π_θ, with p_t / entropy / Σp² from the same
-pass via `trainer_logp(..., with_stats=True)`), as TRL does when each rollout batch is used once.
-Variant `recompute` adds the separate π_old pass (`Engine.score_rollout`) the loop runs when α
-is configured. Variant `before` is `recompute` with the engine's issue-9 fast paths off (shared
+variant. The ratiolab step is `harness.train.run`'s step itself: `harness.step.collect` (the
+sampler's own copy of the weights, rewards, group advantages) and `harness.step.update` (the
+registered objective, fused AdamW, `WeightHistory.push`), then the weight sync to the sampler.
+Variant `loop` is what `harness.train` does at staleness 0 with one minibatch: the training pass
+doubles as π_old (`collect(old_policy=None)`: π_old := detached π_θ, with p_t / entropy / Σp²
+from the same pass), as TRL does when each rollout batch is used once. Variant `recompute`
+passes the trainer as π_old to `collect`: the separate π_old pass the loop runs when α is
+configured. Variant `before` is `recompute` with the engine's issue-9 fast paths off (shared
 prompt prefill/prefix, the lean decode loop of harness/decode.py), interleaved in the same run.
 After the pairs, one `loop` step runs under the torch profiler: its time inside GEMM kernels over
 TRL's median step is `gemm_floor_ratio`, the lowest ratio reachable without faster GEMMs (TRL runs
@@ -38,16 +38,16 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from harness.alpha import WeightHistory
-from harness.batch import TokenBatch
 from harness.engines import Engine
 from harness.objectives import build_objective
+from harness.step import Sampling, collect, update
 from harness.tasks import arithmetic
-from harness.train import group_advantages, trainer_logp
 
 N_PROMPTS, GROUP, NEW_TOKENS = 8, 4, 32
 EPS_LOW, EPS_HIGH, LR, CLIP = 0.2, 0.28, 1e-6, 1.0
@@ -105,47 +105,22 @@ class RatiolabStep:
     def _step(self, problems, prompts, seed: int, skip_old: bool) -> dict[str, float]:
         t: dict[str, float] = {}
         t0 = time.perf_counter()
-        ro = self.sampler.generate(prompts, n=GROUP, max_new_tokens=NEW_TOKENS, seed=seed)
-        rewards = self.task.rollout_rewards(problems, ro, self.tok)
-        adv = group_advantages(rewards, ro.prompt_index, "grpo")
-        t["generate"] = time.perf_counter() - t0
+        old_policy = None if skip_old else self.trainer
+        reward = partial(self.task.rollout_rewards, problems, tokenizer=self.tok)
+        batch, ro, _ = collect(
+            self.sampler, old_policy, prompts, reward, Sampling(GROUP, NEW_TOKENS), seed=seed
+        )
+        t["collect"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         rows = torch.arange(ro.response_ids.shape[0])
-        self.model.train()
-        if not skip_old:
-            sc = self.trainer.score_rollout(ro)
-            t["logp_old"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
-        if skip_old:
-            logp, st = trainer_logp(self.trainer, ro, rows, None, with_stats=True)
-        else:
-            logp = trainer_logp(self.trainer, ro, rows, None)
-            st = sc
-        batch = TokenBatch(
-            tokens=ro.response_ids,
-            mask=ro.response_mask,
-            logp_old=logp.detach() if skip_old else sc["logp"],
-            logp_mu=ro.logp_mu,
-            advantages=adv[:, None].expand_as(ro.logp_mu).contiguous() * ro.response_mask,
-            p_t=st["p_t"],
-            entropy=st["entropy"],
-            p_sq_sum=st["p_sq_sum"],
-            group_id=ro.prompt_index,
-            seq_id=rows,
-        )
-        out = self.objective(logp, batch.index(rows))
-        t["loss_forward"] = time.perf_counter() - t1
+        update(
+            self.trainer, self.objective, batch, ro, [(rows, 0)], self.opt, CLIP,
+            on_step=lambda: self.history.push(self.model),
+        )  # fmt: skip
+        t["update"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        t["backward"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
-        self.opt.step()
-        self.history.push(self.model)
-        self.model.eval()
         self.sampler.load_weights_from_state(self.history.behaviour())
-        t["optimizer+sync"] = time.perf_counter() - t1
+        t["sync"] = time.perf_counter() - t1
         t["step"] = time.perf_counter() - t0
         return t
 

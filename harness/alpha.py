@@ -68,10 +68,6 @@ class WeightHistory:
         """How many optimizer steps the behaviour weights are behind the newest push."""
         return len(self._versions) - 1
 
-    @torch.no_grad()
-    def load_behaviour(self, sampler: nn.Module) -> None:
-        sampler.load_state_dict(self.behaviour())
-
 
 def minibatch_lags(m: int, staleness: int = 0) -> list[int]:
     """Optimizer steps between sampling and training for each of m minibatches: minibatch j

@@ -2,8 +2,9 @@
 
 The same class plays both roles. As the *sampler* μ it generates with a KV cache and records,
 per response token, `logp_mu` (log-prob under the law actually sampled from: temperature, top-k,
-top-p, renormalised), the raw T=1 full-vocabulary log-prob, and the kept support (for mask
-replay). As the *trainer* π it re-scores sequences in chunks of positions (`score`).
+top-p, renormalised), and the kept support (for mask replay). As a *policy* (π_θ, π_old) it
+scores a rollout's tokens in chunks of positions (`logp`: with or without grad, the one entry
+point the loop, the measurement job and the benchmarks use).
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from tqdm.auto import trange
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from harness import decode
-from harness.logprobs import DEFAULT_CHUNK, chunked_stats, process_logits, replay_mask
+from harness.logprobs import (
+    DEFAULT_CHUNK,
+    chunked_logp,
+    chunked_stats,
+    process_logits,
+    replay_mask,
+)
 from harness.noise import NoiseModel, RoutingNoise, RoutingReplay, forward_context, prefix_hash
 
 
@@ -30,7 +37,6 @@ class Rollout:
     response_ids: Tensor  # [B, T] right-padded with pad_token_id
     response_mask: Tensor  # [B, T] float, 1 up to and including EOS
     logp_mu: Tensor  # [B, T] log μ(y_t) under the processed sampling law
-    logp_mu_raw: Tensor  # [B, T] T=1 full-vocabulary log-prob of y_t (CIS's q_t)
     support: Tensor | None  # [B, T, K] kept token ids (−1 padded); None when nothing truncated
     prompt_index: Tensor  # [B] index of the prompt each row answers
     temperature: float = 1.0
@@ -174,18 +180,20 @@ class Engine:
         g = torch.Generator().manual_seed(seed)
         truncated = top_k > 0 or top_p < 1.0
         done = torch.zeros(B, dtype=torch.bool)
-        toks, mus, raws, masks, sups = [], [], [], [], []
+        toks, mus, masks, sups = [], [], [], []
         # the law sampled from is the raw one when T = 1 and nothing is truncated: one log-softmax
         plain = temperature == 1.0 and not truncated
         for step in trange(max_new_tokens, desc="sampling", disable=not progress, leave=False):
-            raw = logits.log_softmax(-1)
-            logp = raw if plain else process_logits(logits, temperature, top_k, top_p)
+            logp = (
+                logits.log_softmax(-1)
+                if plain
+                else process_logits(logits, temperature, top_k, top_p)
+            )
             tok = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
             tok = torch.where(done, self.pad_id, tok)
             toks.append(tok)
             masks.append(~done)
             mus.append(logp.gather(1, tok[:, None])[:, 0])
-            raws.append(raw.gather(1, tok[:, None])[:, 0])
             if truncated:
                 k = int(torch.isfinite(logp).sum(-1).max())
                 val, idx = torch.topk(logp, k, dim=-1)
@@ -219,7 +227,6 @@ class Engine:
             response_mask=mask,
             # where, not *: after EOS the pad token can lie outside a truncated support (−inf)
             logp_mu=torch.where(mask.bool(), torch.stack(mus, 1), 0.0),
-            logp_mu_raw=torch.where(mask.bool(), torch.stack(raws, 1), 0.0),
             support=support,
             prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
             temperature=temperature,
@@ -298,18 +305,12 @@ class Engine:
         n_prompt: int,
         temperature: float = 1.0,
         support: Tensor | None = None,
-        routing: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """Per response token ([B, T], T = tokens.shape[1] − n_prompt): `logp`, `entropy`, `p_t`,
         `p_sq_sum`, under the law softmax(z/T), restricted to `support` when given (mask replay).
-
-        The fp32 log-softmax is computed `chunk` positions at a time. `routing` (the sampler's
-        record) is replayed when this engine has a `replay` noise model (R3)."""
+        No grad; the fp32 log-softmax is computed `chunk` positions at a time."""
         if not 0 < n_prompt < tokens.shape[1]:
             raise ValueError(f"n_prompt={n_prompt} must be in (0, {tokens.shape[1]})")
-        replay = self._noise_of(RoutingReplay)
-        if replay is not None and routing is not None:
-            replay.set_indices(routing)
         h = self.hidden_states(tokens, attention_mask, n_prompt)
         B, T, H = h.shape
         targets = tokens[:, n_prompt:].reshape(-1)
@@ -328,19 +329,52 @@ class Engine:
         )
         return {k: v.view(B, T) for k, v in stats.items()}
 
-    def score_rollout(self, ro: Rollout, mask_replay: bool = False) -> dict[str, Tensor]:
-        return self.score(
-            ro.tokens,
-            ro.attention_mask,
-            ro.n_prompt,
-            ro.temperature,
-            ro.support if mask_replay else None,
-            ro.routing,
-        )
-
-    def load_weights_from(self, source: torch.nn.Module) -> None:
-        """Weight sync: copy the trainer's parameters into this engine's model (casting dtype)."""
-        self.load_weights_from_state(dict(source.named_parameters()))
+    def logp(
+        self,
+        ro: Rollout,
+        rows: Tensor | None = None,
+        *,
+        grad: bool = False,
+        stats: bool = True,
+        mask_replay: bool = False,
+    ) -> dict[str, Tensor]:
+        """This policy's log-probs of the rollout's tokens, rows `rows` (all by default): [b, T]
+        `logp` (with grad when `grad`: the fused chunked log-softmax of harness.logprobs) and,
+        with `stats`, the detached `p_t`, `entropy`, `p_sq_sum` of the same pass. The law is
+        softmax(z/T) at the rollout's temperature, restricted to the sampler's top-k/top-p
+        support with `mask_replay`. An engine with a `replay` noise model replays the sampler's
+        routes of exactly these rows (R3)."""
+        if rows is None:
+            rows = torch.arange(ro.response_ids.shape[0])
+        replay = self._noise_of(RoutingReplay)
+        if replay is not None:
+            if ro.routing is None:
+                raise ValueError(
+                    "routing replay (R3) needs the sampler's routes: the sampler must carry "
+                    "`routing` noise (noise=routing) on an MoE model"
+                )
+            replay.set_indices(ro.routing[rows])
+        tokens, attn = ro.tokens[rows], ro.attention_mask[rows]
+        support = ro.support[rows] if mask_replay and ro.support is not None else None
+        if not grad:
+            sc = self.score(tokens, attn, ro.n_prompt, ro.temperature, support)
+            return sc if stats else {"logp": sc["logp"]}
+        with torch.enable_grad():
+            h = self.hidden_states(tokens, attn, ro.n_prompt)
+            b, T, H = h.shape
+            targets = tokens[:, ro.n_prompt :]
+            keep = None
+            if support is not None:
+                vocab = self.model.config.vocab_size
+                keep = replay_mask(support, targets, vocab).view(b * T, vocab)
+            w = self.model.get_output_embeddings().weight
+            out = chunked_logp(
+                h.reshape(b * T, H), w, targets.reshape(-1), ro.temperature, keep,
+                self.chunk, with_stats=stats,
+            )  # fmt: skip
+        if not stats:
+            return {"logp": out.view(b, T)}
+        return {"logp": out[0].view(b, T), **{k: v.view(b, T) for k, v in out[1].items()}}
 
     @torch.no_grad()
     def load_weights_from_state(self, state: dict[str, Tensor]) -> None:

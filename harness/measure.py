@@ -29,6 +29,7 @@ import copy
 import inspect
 import re
 import time
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -38,15 +39,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness.alpha import minibatch_schedule, perturb_weights_
-from harness.batch import TokenBatch, identity_check
+from harness.batch import TokenBatch
+from harness.diagnostics import bin_index, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import run_task
-from harness.logprobs import chunked_logp, replay_mask
-from harness.models import load_model, resolve_dtype
+from harness.models import load_model, resolve_dtype, weights_sha
 from harness.noise import NOISE, build_noise, layer_amplification
 from harness.objectives import build_objective
-from harness.snr import TABLE6_COLUMNS, BinnedMoments, SNRSplit, bin_index, shrink_kwargs
+from harness.snr import TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
+from harness.step import Sampling, collect, update
 
 BOUND_COLUMNS = ["l_noise", "u_noise", "l_signal", "u_signal", "l_ess", "u_ess", "lower", "upper"]
 BOUND_COLUMNS += ["upper_set_by"]
@@ -117,21 +119,20 @@ def model_spec(cfg: DictConfig) -> str:
 # --- passes -------------------------------------------------------------------------------------
 
 
+def sampling(cfg: DictConfig) -> Sampling:
+    return Sampling(cfg.n, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+
+
 def sample(engine: Engine, prompts, cfg: DictConfig, seed: int) -> Rollout:
+    sp = sampling(cfg)
     return engine.generate(
-        prompts,
-        n=cfg.n,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        seed=seed,
-        progress=cfg.progress,
+        prompts, sp.n, sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, seed, cfg.progress
     )
 
 
 def token_arrays(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str, np.ndarray]:
-    """Per response token (flattened over the mask): the inputs of DeltaStats.add."""
+    """Per response token (flattened over the mask): the inputs of DeltaStats.add; `sc` holds
+    the bin statistics (`p_t`, `p_sq_sum`) of the trainer at the behaviour weights."""
     m = ro.response_mask.bool()
     rows = torch.arange(m.shape[0])[:, None].expand_as(m)
     return {
@@ -161,73 +162,33 @@ def rewards(tok, ro: Rollout) -> torch.Tensor:
     return torch.tensor([float(bool(re.search(p, t, re.I))) for p, t in zip(pats, texts)])
 
 
-def grpo_advantages(r: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """GRPO: (r − mean_g) / (std_g + 1e-6) within each prompt group."""
-    adv = torch.zeros_like(r)
-    for g in group.unique():
-        sel = group == g
-        adv[sel] = (r[sel] - r[sel].mean()) / (r[sel].std(unbiased=False) + 1e-6)
-    return adv
-
-
-def train_steps(live: Engine, ro: Rollout, sc: dict, tok, cfg: DictConfig) -> dict:
-    """θ_b → θ: `alpha.steps` optimizer steps of `alpha.objective` on the rollout `ro` (sampled
-    by μ at θ_b; logp_old = trainer at θ_b), GRPO advantages, DAPO dynamic sampling (rows of
-    uniform-reward groups dropped), minibatches cycled."""
+def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -> dict:
+    """θ_b → θ: `alpha.steps` optimizer steps of `alpha.objective` (harness.step.update) on the
+    calibration rollout `ro` (sampled by μ at θ_b; logp_old = the trainer at θ_b), GRPO
+    advantages, DAPO dynamic sampling (rows of uniform-reward groups dropped), minibatches
+    cycled."""
     a = cfg.alpha
-    model = live.model
-    r = rewards(tok, ro)
-    adv = grpo_advantages(r, ro.prompt_index)
-    batch = TokenBatch(
-        tokens=ro.response_ids,
-        mask=ro.response_mask,
-        logp_old=sc["logp"],
-        logp_mu=ro.logp_mu,
-        advantages=adv[:, None] * ro.response_mask,
-        p_t=sc["p_t"],
-        entropy=sc["entropy"],
-        p_sq_sum=sc["p_sq_sum"],
-        group_id=ro.prompt_index,
-        seq_id=torch.arange(ro.response_ids.shape[0]),
-    )
-    keep = None
-    if cfg.mask_replay and ro.support is not None:
-        keep = replay_mask(ro.support, ro.response_ids, model.config.vocab_size)
-    obj = build_objective(a.objective, **OmegaConf.to_container(a.objective_kw, resolve=True))
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
-    # DAPO dynamic sampling: groups with uniform reward have zero advantage and no gradient
-    informative = torch.nonzero(adv != 0).flatten()
+    informative = torch.nonzero(batch.advantages.abs().sum(1) > 0).flatten()
     if len(informative) == 0:
         print("[measure] warning: every reward group is uniform; the objective moves nothing")
-        informative = torch.arange(len(adv))
+        informative = torch.arange(batch.tokens.shape[0])
     m = min(a.minibatches or a.steps, len(informative))
     sched = [
         (informative[rows], lag)
         for rows, lag in minibatch_schedule(len(informative), m, seed=cfg.seed)
     ]
-    losses = []
-    model.requires_grad_(True).train()
-    with torch.enable_grad():
-        for k in range(a.steps):
-            rows = sched[k % len(sched)][0]
-            h = live.hidden_states(ro.tokens[rows], ro.attention_mask[rows], ro.n_prompt)
-            b, T, H = h.shape
-            kk = keep[rows].reshape(b * T, -1) if keep is not None else None
-            w = model.get_output_embeddings().weight
-            tgt = ro.response_ids[rows].reshape(-1)
-            logp = chunked_logp(h.reshape(b * T, H), w, tgt, ro.temperature, kk).view(b, T)
-            out = obj(logp, batch.index(rows))
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(out.loss.item())
-    model.eval()
-    model.requires_grad_(False)
+    schedule = [sched[k % len(sched)] for k in range(a.steps)]
+    obj = build_objective(a.objective, **OmegaConf.to_container(a.objective_kw, resolve=True))
+    opt = torch.optim.AdamW(live.model.parameters(), lr=a.lr, weight_decay=0.0)
+    live.model.requires_grad_(True)
+    _, metrics, skipped = update(
+        live, obj, batch, ro, schedule, opt, a.grad_clip, mask_replay=cfg.mask_replay
+    )
+    live.model.requires_grad_(False)
     return {
-        "reward_mean": float(r.mean()),
-        "loss": losses,
-        "frac_nonzero_adv": float((adv != 0).float().mean()),
+        "loss": [m["loss"] for m in metrics],
+        "nonfinite_skipped": skipped,
+        "frac_nonzero_adv": float((batch.advantages.abs().sum(1) > 0).float().mean()),
     }
 
 
@@ -341,8 +302,10 @@ def write_report(out: Path, report: dict) -> None:
 
 
 def tables_text(report: dict) -> str:
-    t6 = report["table6"]
+    t6, summary = report["table6"], report["summary"]
     parts = [
+        f"model {summary['model']}, weights checksum {summary['weights_sha']}",
+        "",
         "Table 3 — |Δ log π| at frozen weights (calibration pass)",
         fmt_table(report["table3"]),
         "",
@@ -388,6 +351,8 @@ def run(cfg: DictConfig) -> dict:
     print(f"[measure] loading {spec}; μ noise: {noise_label(nodes)} ...", flush=True)
     trainer_model, tok = load_model(spec, dtype=cfg.trainer_dtype, seed=cfg.seed)
     trainer_model.requires_grad_(False)
+    model_sha = weights_sha(trainer_model)  # before any α step: the weights measured
+    print(f"[measure] {spec}: weights checksum {model_sha}", flush=True)
     sampler_model = copy.deepcopy(trainer_model).to(resolve_dtype(cfg.sampler_dtype))
     sampler = Engine(
         sampler_model,
@@ -402,6 +367,7 @@ def run(cfg: DictConfig) -> dict:
         return Engine(model, tok, noise=[build_noise("replay")] if cfg.routing_replay else [])
 
     trainer = trainer_engine(trainer_model)
+    reference = trainer_engine(copy.deepcopy(trainer_model))  # θ_b, untouched (truth check)
     prompts = format_prompts(tok, [p for p, _ in PROMPTS])
     stats_kw = {"cap": cfg.cap, "band": tuple(cfg.band)}
     split = SNRSplit(list(cfg.edges), **stats_kw)
@@ -412,12 +378,15 @@ def run(cfg: DictConfig) -> dict:
     first = None
     for i in range(cfg.rounds):
         print(f"[measure] calibration round {i + 1}/{cfg.rounds}: sampling ...", flush=True)
-        ro = sample(sampler, prompts, cfg, seed=cfg.seed * 1_000_003 + i)
-        sc = trainer.score_rollout(ro, mask_replay=cfg.mask_replay)
-        ident["cal"].append(check_identity(sc["logp"], ro, cfg.identity_tol, "calibration"))
-        split.add_cal(**token_arrays(ro, sc, sc["logp"]))
+        batch, ro, r = collect(
+            sampler, trainer, prompts, partial(rewards, tok), sampling(cfg),
+            seed=cfg.seed * 1_000_003 + i, mask_replay=cfg.mask_replay, progress=cfg.progress,
+        )  # fmt: skip
+        sc = {"p_t": batch.p_t, "p_sq_sum": batch.p_sq_sum}
+        ident["cal"].append(check_identity(batch.logp_old, ro, cfg.identity_tol, "calibration"))
+        split.add_cal(**token_arrays(ro, sc, batch.logp_old))
         if first is None:
-            first = (ro, sc)
+            first = (batch, ro, float(r.mean()))
     timings["calibration_s"] = time.time() - t
 
     # --- 2. α: θ_b → θ --------------------------------------------------------------------------
@@ -432,7 +401,7 @@ def run(cfg: DictConfig) -> dict:
             alpha_info["label"] = f"perturb rel σ={cfg.alpha.rel_sigma:g}"
         else:
             print(f"[measure] α: {cfg.alpha.steps} × {cfg.alpha.objective} steps ...", flush=True)
-            alpha_info.update(train_steps(live, first[0], first[1], tok, cfg))
+            alpha_info.update(train_steps(live, first[0], first[1], cfg), reward_mean=first[2])
             alpha_info["label"] = (
                 f"{cfg.alpha.steps} {cfg.alpha.objective} steps, lr={cfg.alpha.lr:g}"
             )
@@ -443,6 +412,9 @@ def run(cfg: DictConfig) -> dict:
     first = None
 
     # --- 3. live pass with ground truth --------------------------------------------------------
+    # The truth check recomputes π at θ_b with `reference`, a noise-free copy of θ_b taken before
+    # any α step (not the trainer object): it fails when the trainer drifted from θ_b or when α
+    # or β were measured against the wrong policy.
     t = time.time()
     truth = BinnedMoments(len(cfg.edges) - 1, 2)
     max_err = 0.0
@@ -450,19 +422,27 @@ def run(cfg: DictConfig) -> dict:
     for i in range(cfg.rounds):
         print(f"[measure] live round {i + 1}/{cfg.rounds}: sampling ...", flush=True)
         ro = sample(sampler, prompts, cfg, seed=cfg.seed * 1_000_003 + 7_919 + i)
-        sc_b = trainer.score_rollout(ro, mask_replay=cfg.mask_replay)
-        sc_t = sc_b if live is trainer else live.score_rollout(ro, mask_replay=cfg.mask_replay)
+        sc_b = trainer.logp(ro, mask_replay=cfg.mask_replay)
+        sc_t = sc_b if live is trainer else live.logp(ro, mask_replay=cfg.mask_replay)
         ident["live"].append(check_identity(sc_t["logp"], ro, cfg.identity_tol, "live"))
         arr = token_arrays(ro, sc_t, sc_t["logp"])
         split.add_live(**arr)
         m = ro.response_mask.bool()
-        beta = (sc_b["logp"] - ro.logp_mu)[m].double().numpy()
-        alpha = (sc_t["logp"] - sc_b["logp"])[m].double().numpy()
-        truth.add(bin_index(arr["conf"], list(cfg.edges)), np.stack([alpha, beta], 1))
-        max_err = max(max_err, float(np.abs(alpha + beta - arr["delta"]).max()))
+        beta = (sc_b["logp"] - ro.logp_mu)[m].double()
+        alpha = (sc_t["logp"] - sc_b["logp"])[m].double()
+        truth.add(bin_index(arr["conf"], list(cfg.edges)), torch.stack([alpha, beta], 1).numpy())
+        ref = reference.logp(ro, stats=False, mask_replay=cfg.mask_replay)["logp"][m].double()
+        err = torch.cat([beta - (ref - ro.logp_mu[m]), alpha - (sc_t["logp"][m] - ref)])
+        max_err = max(max_err, float(err.abs().max()))
         if amp_tokens is None:
             amp_tokens = (ro.tokens[: cfg.amp_rows], ro.attention_mask[: cfg.amp_rows])
     timings["live_s"] = time.time() - t
+    if max_err > cfg.truth_tol:
+        raise RuntimeError(
+            f"[measure] ground truth check failed: the per-token α, β differ from the pristine "
+            f"θ_b reference by up to {max_err:.3g} (> truth_tol={cfg.truth_tol:g}): the trainer "
+            "moved away from the behaviour weights, or α/β were read against the wrong policy"
+        )
 
     # --- 4. layer amplification ----------------------------------------------------------------
     if cfg.amp_rows > 0:
@@ -484,12 +464,13 @@ def run(cfg: DictConfig) -> dict:
     # --- 5. tables, files, figures -------------------------------------------------------------
     meta = {
         "model": spec,
+        "weights_sha": model_sha,
         "sampler_dtype": cfg.sampler_dtype,
         "trainer_dtype": cfg.trainer_dtype,
         "alpha": alpha_info,
         "alpha_label": alpha_info["label"],
         "identity_mean_ratio": {k: float(np.mean(v)) for k, v in ident.items()},
-        "truth_max_abs_err": max_err,  # |α + β − Δ_live|: 0 up to float rounding
+        "truth_max_abs_err": max_err,  # α, β vs the pristine θ_b reference: 0 up to rounding
         "amp_sigma": cfg.amp_sigma,
     }
     report = build_report(split, truth, cfg, meta)

@@ -11,7 +11,7 @@ memory is independent of the token count:
   - scalar sums for the Table 7 dials, a log histogram of sampler confidence for the fork bin.
 
 Public API
-  snr_split(delta_cal, conf_cal, delta_live, conf_live, edges=SNR_EDGES) -> DataFrame
+  snr_split(delta_cal, conf_cal, delta_live, conf_live, edges=CONF_EDGES) -> DataFrame
       bin_lo, bin_hi, n_cal, n_live, var_beta, var_r, var_alpha, snr, lam   (Table 6)
   SNRSplit(edges): streaming add_cal / add_live, .table(), .bounds(...) (Figure 2)
   DeltaStats(edges): one stream; .anatomy() (Table 3), .dials() (Table 7), .per_bin()
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from harness.objectives.methods import SNR_EDGES
+from harness.diagnostics import BAND, CAP, CONF_EDGES, MATCH_TOL, bin_index, ess_from_sums
 
 TABLE6_COLUMNS = [
     "bin_lo",
@@ -54,12 +54,6 @@ TABLE6_COLUMNS = [
     "lam",
 ]
 CHUNK = 1 << 20
-
-
-def bin_index(conf: np.ndarray, edges: Sequence[float]) -> np.ndarray:
-    """Bins [e_i, e_{i+1}); values ≥ the last inner edge (p_t = 1 included) go to the last bin,
-    exactly like `snr_shrink`'s torch.bucketize(right=True)."""
-    return np.searchsorted(np.asarray(edges[1:-1], dtype=np.float64), conf, side="right")
 
 
 # --- moments -------------------------------------------------------------------------------------
@@ -190,11 +184,11 @@ class DeltaStats:
 
     def __init__(
         self,
-        edges: Sequence[float] = SNR_EDGES,
+        edges: Sequence[float] = CONF_EDGES,
         *,
-        cap: float = 2.0,
-        band: tuple[float, float] = (0.5, 2.0),
-        match_tol: float = 1e-6,
+        cap: float = CAP,
+        band: tuple[float, float] = BAND,
+        match_tol: float = MATCH_TOL,
         small: float = 1e-4,
         low_conf: float = 0.3,
         fork_frac: float = 0.2,
@@ -218,6 +212,9 @@ class DeltaStats:
                 "r",
                 "r_cap",
                 "r2",
+                "x",
+                "k3",
+                "chi2",
                 "n_nonmatch",
                 "m_nonmatch",
                 "n_out",
@@ -277,6 +274,9 @@ class DeltaStats:
         s["r"] += r.sum()
         s["r_cap"] += np.minimum(r, self.cap).sum()
         s["r2"] += (r * r).sum()
+        s["x"] += np.clip(d, -50, 50).sum()
+        s["k3"] += (r - 1 - np.clip(d, -50, 50)).sum()
+        s["chi2"] += ((r - 1) ** 2).sum()
         s["n_nonmatch"] += nonmatch.sum()
         s["m_nonmatch"] += a[nonmatch].sum()
         s["n_out"] += out.sum()
@@ -370,25 +370,29 @@ class DeltaStats:
         }
 
     def dials(self) -> dict[str, float]:
-        """Table 7: the existing dials on this stream."""
+        """Table 7: the dials of harness.diagnostics (same names; cap C and band are this
+        stream's `cap` and `band`), streamed, plus the |Δ| tail and the fork mass share."""
         s, n = self.s, self.s["n"]
         qs = self.quantile([0.95, 0.99], absolute=True)
         out = {
-            f"capped_mean_ratio(C={self.cap:g})": s["r_cap"] / n,
             "uncapped_mean_ratio": s["r"] / n,
+            "capped_mean_ratio": s["r_cap"] / n,
+            "kl_k1": -s["x"] / n,
+            "kl_k3": s["k3"] / n,
+            "chi2": s["chi2"] / n,
+            "ess_token": ess_from_sums(s["r"], s["r2"], n),
+            "out_of_band_frac": s["n_out"] / n,
             "mean_abs_delta": self.hist(mass=True).sum() / n,
             "mean_abs_delta_nonmatching": s["m_nonmatch"] / max(s["n_nonmatch"], 1),
             "nonmatching_frac": s["n_nonmatch"] / n,
-            "ess_token": s["r"] ** 2 / (n * s["r2"]),
-            f"out_of_band_frac[{self.band[0]:g},{self.band[1]:g}]": s["n_out"] / n,
             "max_abs_delta": self.max_abs,
             "p95_abs_delta": qs[0],
             "p99_abs_delta": qs[1],
             "fork_mass_share": self._fork()[1],
         }
-        if s["n_seq"] > 0:
-            for key in ("prod", "geo"):
-                out[f"ess_seq_{key}"] = s[f"w_{key}"] ** 2 / (s["n_seq"] * s[f"w2_{key}"])
+        if s["n_seq"] > 0:  # product weights (diagnostics.ess_seq) and geometric-mean weights
+            out["ess_seq"] = ess_from_sums(s["w_prod"], s["w2_prod"], s["n_seq"])
+            out["ess_seq_geo"] = ess_from_sums(s["w_geo"], s["w2_geo"], s["n_seq"])
         return out
 
     def per_bin(self) -> pd.DataFrame:
@@ -460,7 +464,7 @@ def _ess_band(lb: LogBuckets, counts, lam: float, floor: float) -> float:
 class SNRSplit:
     """Streaming SNR procedure: calibration stream (α ≡ 0) and live stream (α + β)."""
 
-    def __init__(self, edges: Sequence[float] = SNR_EDGES, **stats_kw):
+    def __init__(self, edges: Sequence[float] = CONF_EDGES, **stats_kw):
         self.edges = [float(e) for e in edges]
         self.cal = DeltaStats(self.edges, **stats_kw)
         self.live = DeltaStats(self.edges, **stats_kw)
@@ -520,7 +524,7 @@ class SNRSplit:
 
 
 def snr_split(
-    delta_cal, conf_cal, delta_live, conf_live, edges: Sequence[float] = SNR_EDGES
+    delta_cal, conf_cal, delta_live, conf_live, edges: Sequence[float] = CONF_EDGES
 ) -> pd.DataFrame:
     """SNR post §2.3, steps 1–3 (Table 6): per bin of trainer confidence,
     Var_β = var(Δ_cal), Var_r = var(Δ_live), Var_α = max(Var_r − Var_β, 0), SNR = Var_α/Var_β,

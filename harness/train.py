@@ -25,6 +25,8 @@ import json
 import math
 import random
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +38,18 @@ from tqdm.auto import tqdm
 
 from harness import config as _schema  # noqa: F401  (registers the structured-config schema)
 from harness.alpha import WeightHistory, minibatch_schedule
-from harness.batch import TokenBatch, identity_check
+from harness.batch import TokenBatch
+from harness.diagnostics import bin_means, dials, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_text_atomic
 from harness.launch import run_task, update_meta
-from harness.logprobs import chunked_logp, replay_mask
 from harness.models import load_model, resolve_dtype, upcycle_to_moe
 from harness.noise import build_noise
 from harness.objectives import build_objective
 from harness.registry import build
 from harness.repetition import copy_token_probs, exit_mass, repetition_report
+from harness.step import ADVANTAGES, Sampling, collect, update, update_distill
 from harness.tasks import TASKS, Task
-
-CONF_BINS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 
 
 class TrainingAborted(RuntimeError):
@@ -66,20 +67,25 @@ def split_node(node: Any) -> tuple[str, dict[str, Any]]:
     return name, d
 
 
-def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any]:
-    task_name, task_kw = split_node(cfg.task)
-    if cfg.model.spec == "task-model":
-        from harness.warmstart import load_task_model, resolve_recipe
+def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, dict]:
+    """The task, the trainer's model (trainer dtype), its tokenizer and its identity (spec,
+    weights checksum, recipe hash for task models: recorded in meta.json)."""
+    from harness.warmstart import load_task_model, model_identity, resolve_recipe
 
+    task_name, task_kw = split_node(cfg.task)
+    recipe = None
+    if cfg.model.spec == "task-model":
         warm = OmegaConf.to_container(cfg.model.warmstart, resolve=True)
-        task_kw = {**resolve_recipe(task_name, **warm)["task_kwargs"], **task_kw}
+        recipe = resolve_recipe(task_name, **warm)
+        task_kw = {**recipe["task_kwargs"], **task_kw}
         model, tok = load_task_model(task_name, progress=cfg.progress, **warm)
     else:
         model, tok = load_model(cfg.model.spec, dtype="fp32", seed=cfg.seed)
     if cfg.model.upcycle:
         model = upcycle_to_moe(model, **OmegaConf.to_container(cfg.model.upcycle, resolve=True))
     task = build(TASKS, task_name, "task", **task_kw)
-    return task, model.to(resolve_dtype(cfg.engine.trainer_dtype)), tok
+    model = model.to(resolve_dtype(cfg.engine.trainer_dtype))
+    return task, model, tok, model_identity(model, cfg.model.spec, recipe)
 
 
 def build_sampler(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
@@ -89,52 +95,6 @@ def build_sampler(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
     specs = [split_node(n) for n in [cfg.noise, *cfg.extra_noise]]
     noise = [build_noise(name, **kw) for name, kw in specs if name != "none"]
     return Engine(smp, tok, noise=noise, kv_cache=cfg.engine.kv_cache)
-
-
-def group_advantages(rewards: torch.Tensor, group: torch.Tensor, kind: str) -> torch.Tensor:
-    """GRPO: (r − mean_g) / (std_g + 1e-6); Dr.GRPO: r − mean_g (no std normalisation)."""
-    if kind not in ("grpo", "drgrpo"):
-        raise ValueError(f"advantage={kind!r}; valid: 'grpo', 'drgrpo'")
-    adv = torch.empty_like(rewards)
-    for g in group.unique():
-        sel = group == g
-        centred = rewards[sel] - rewards[sel].mean()
-        adv[sel] = (
-            centred / (rewards[sel].std(unbiased=False) + 1e-6) if kind == "grpo" else centred
-        )
-    return adv
-
-
-def trainer_logp(
-    engine: Engine,
-    ro: Rollout,
-    rows: torch.Tensor,
-    keep: torch.Tensor | None,
-    with_stats: bool = False,
-):
-    """log π_θ of the sampled tokens with grad (chunked fused log-softmax), [b, T]; with_stats
-    also returns the detached per-token `p_t`, `entropy`, `p_sq_sum` of the same pass."""
-    h = engine.hidden_states(ro.tokens[rows], ro.attention_mask[rows], ro.n_prompt)
-    b, T, H = h.shape
-    targets = ro.response_ids[rows].reshape(-1)
-    k = keep.view(-1, T, keep.shape[-1])[rows].reshape(b * T, -1) if keep is not None else None
-    w = engine.model.get_output_embeddings().weight
-    out = chunked_logp(h.reshape(b * T, H), w, targets, ro.temperature, k, with_stats=with_stats)
-    if not with_stats:
-        return out.view(b, T)
-    return out[0].view(b, T), {key: v.view(b, T) for key, v in out[1].items()}
-
-
-def student_teacher_logits(student: Engine, teacher, ro: Rollout, rows, teacher_ids, teacher_mask):
-    """Full logits at the response positions: the student's (with grad) and the frozen teacher's
-    conditioned on its privileged prompt (same response tokens, longer prompt)."""
-    T = ro.response_ids.shape[1]
-    s = student.model(input_ids=ro.tokens[rows], attention_mask=ro.attention_mask[rows]).logits
-    t_ids = torch.cat([teacher_ids, ro.response_ids[rows]], 1)
-    t_mask = torch.cat([teacher_mask, ro.response_mask[rows].long()], 1)
-    with torch.no_grad():
-        t = teacher(input_ids=t_ids, attention_mask=t_mask).logits
-    return s[:, -T - 1 : -1], t[:, -T - 1 : -1]
 
 
 @torch.no_grad()
@@ -205,35 +165,18 @@ def set_rng_state(s: dict) -> None:
 # --- metrics -----------------------------------------------------------------------------------
 
 
-def confidence_bin_means(x: torch.Tensor, p_t: torch.Tensor, mask: torch.Tensor, key: str) -> dict:
-    out = {}
-    m = mask.bool()
-    for lo, hi in zip(CONF_BINS[:-1], CONF_BINS[1:]):
-        sel = m & (p_t >= lo) & ((p_t < hi) if hi < 1 else (p_t <= hi))
-        if sel.any():
-            out[f"{key}/bin_{lo:g}-{hi:g}"] = float(x[sel].mean())
-    return out
-
-
-def rollout_dials(logp_old, ro: Rollout, entropy, p_t) -> dict[str, float]:
-    """Table 7 dials on the training–inference ratio (row 3) and the identity check."""
-    m = ro.response_mask.bool()
-    d = (logp_old - ro.logp_mu)[m]
-    r = d.double().clamp(-20, 20).exp()
-    chk = identity_check(logp_old, ro.logp_mu, ro.response_mask)
-    nonmatch = d.abs() > 1e-6
+def rollout_dials(batch: TokenBatch) -> dict[str, float]:
+    """The dials of harness.diagnostics on ρ = π_old/μ (the trainer at the behaviour weights vs
+    the sampler: Table 1 row 3) and the identity check, plus the trainer's entropy per bin."""
+    m = batch.mask
+    x = batch.logp_recompute - batch.logp_mu
+    chk = identity_check(batch.logp_recompute, batch.logp_mu, m)
     return {
         "identity/mean_ratio": chk.mean_ratio,
         "identity/ok": float(chk.ok),
-        "dial/capped_mean_ratio": float(r.clamp(max=2.0).mean()),
-        "dial/uncapped_mean_ratio": float(r.mean()),
-        "dial/mean_abs_delta": float(d.abs().mean()),
-        "dial/mean_abs_delta_nonmatching": float(d[nonmatch].abs().mean()) if nonmatch.any() else 0,
-        "dial/p99_abs_delta": float(d.abs().quantile(0.99)) if d.numel() else 0.0,
-        "dial/ess_token": float(r.sum() ** 2 / (r.numel() * (r * r).sum())),
-        "dial/out_of_band_frac": float(((r < 0.5) | (r > 2.0)).double().mean()),
-        "entropy/mean": float(entropy[m].mean()),
-        **confidence_bin_means(entropy, p_t, ro.response_mask, "entropy"),
+        **{f"dial/{k}": v for k, v in dials(x, m, batch.p_t).items()},
+        "entropy/mean": float(batch.entropy[m.bool()].mean()),
+        **bin_means(batch.entropy, batch.p_t, m, "entropy"),
     }
 
 
@@ -281,36 +224,64 @@ def evaluate(engine: Engine, task: Task, problems, cfg: DictConfig) -> float:
 # --- the loop ----------------------------------------------------------------------------------
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def validate(cfg: DictConfig) -> None:
+    """Checks that need no model: each error names the key, the bad value and what is valid."""
     for key, value, valid in [
         ("engine.logp_old_source", cfg.engine.logp_old_source, ("trainer", "sampler")),
-        ("advantage", cfg.advantage, ("grpo", "drgrpo")),
+        ("advantage", cfg.advantage, ADVANTAGES),
     ]:
-        if value not in valid:  # fail before any model is loaded
+        if value not in valid:
             raise ValueError(f"{key}={value!r}; valid: {', '.join(map(repr, valid))}")
-    run_dir = Path(cfg.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-
-    task, model, tok = build_task_and_model(cfg)
-    trainer = Engine(model, tok)
-    sampler = build_sampler(cfg, model, tok)
-    replay = None
-    if cfg.engine.routing_replay:
-        replay = build_noise("replay")
-        trainer.noise.append(replay)
-        replay.attach(model)
-    obj_name, obj_kw = split_node(cfg.objective)
-    if obj_name != "opsd_fkl":
-        obj_kw.setdefault("aggregation", cfg.aggregation)
-    objective = build_objective(obj_name, **obj_kw)
-    if cfg.distill.enabled != (objective.inputs == "logits"):
+    obj = cfg.objective.name
+    if cfg.distill.enabled != (obj == "opsd_fkl"):
         raise ValueError(
             "distill.enabled=true needs objective=opsd_fkl, and opsd_fkl needs distill.enabled"
         )
+    if obj == "calibrated_clip" and cfg.engine.logp_old_source == "trainer":
+        raise ValueError(
+            "objective=calibrated_clip calibrates the low-precision π_old against the trainer's "
+            "high-precision recompute, but engine.logp_old_source='trainer' makes them the same "
+            "tensor (the clip would silently equal ppo_clip); set engine.logp_old_source=sampler"
+        )
+
+
+@dataclass
+class Setup:
+    """What `run` builds: the task, the three policies and the optimizer state."""
+
+    task: Task
+    tok: Any
+    policy: Engine  # π_θ: the trainer
+    old_policy: Engine | None  # π_old at the behaviour weights; None: the training pass is π_old
+    sampler: Engine  # μ
+    teacher: torch.nn.Module | None
+    objective: Any
+    opt: torch.optim.Optimizer
+    history: WeightHistory
+    identity: dict
+
+
+def build_setup(cfg: DictConfig) -> Setup:
+    task, model, tok, identity = build_task_and_model(cfg)
+    a = cfg.alpha
+    # every copy of the weights before any noise or replay hook is attached (deepcopy copies hooks)
+    sampler = build_sampler(cfg, model, tok)
+    old_model = copy.deepcopy(model).requires_grad_(False) if a.staleness > 0 else None
     teacher = copy.deepcopy(model).eval().requires_grad_(False) if cfg.distill.enabled else None
+
+    def engine(m: torch.nn.Module) -> Engine:  # a trainer-side policy: R3 replays μ's routes
+        return Engine(m, tok, noise=[build_noise("replay")] if cfg.engine.routing_replay else [])
+
+    policy = engine(model)
+    if old_model is not None:  # π_old: its own copy of the weights, loaded with the behaviour
+        old_policy = engine(old_model)
+    elif a.minibatches == 1 and cfg.reuse_old_logp and not cfg.distill.enabled:
+        old_policy = None
+    else:
+        old_policy = policy
+    obj_name, obj_kw = split_node(cfg.objective)
+    if obj_name != "opsd_fkl":
+        obj_kw.setdefault("aggregation", cfg.aggregation)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optim.lr,
@@ -318,199 +289,127 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         weight_decay=cfg.optim.weight_decay,
         fused=True,  # one kernel over all parameters: ~4× faster step on smollm2 (CPU, bench)
     )
-    history = WeightHistory(cfg.alpha.staleness)
+    history = WeightHistory(a.staleness)
     history.push(model)
+    return Setup(
+        task, tok, policy, old_policy, sampler, teacher,
+        build_objective(obj_name, **obj_kw), opt, history, identity,
+    )  # fmt: skip
 
-    start, nonfinite_run, guard = 1, 0, {"entropy0": [], "best_reward": -math.inf, "events": 0}
-    metrics_path = run_dir / "metrics.jsonl"
+
+def resume(s: Setup, run_dir: Path, metrics_path: Path) -> tuple[int, dict]:
+    """(first step, guard state): from the latest checkpoint, else a fresh start."""
+    guard = {"entropy0": [], "best_reward": -math.inf, "events": 0}
     ck = latest_checkpoint(run_dir)
-    if ck is not None:
-        state = torch.load(ck, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        objective.load_state_dict(state["objective"])
-        history = state["history"]
-        guard = state["guard"]
-        set_rng_state(state["rng"])
-        start = state["step"] + 1
-        truncate_metrics(metrics_path, state["step"])
-        print(f"[train] resumed from {ck} (step {state['step']})", flush=True)
-    elif metrics_path.exists():
-        metrics_path.unlink()  # a fresh run: never append to a previous run's log
-    sampler.load_weights_from_state(history.behaviour())
+    if ck is None:
+        metrics_path.unlink(missing_ok=True)  # a fresh run: never append to a previous log
+        return 1, guard
+    state = torch.load(ck, weights_only=False)
+    s.policy.model.load_state_dict(state["model"])
+    s.opt.load_state_dict(state["optim"])
+    s.objective.load_state_dict(state["objective"])
+    s.history = state["history"]
+    set_rng_state(state["rng"])
+    truncate_metrics(metrics_path, state["step"])
+    print(f"[train] resumed from {ck} (step {state['step']})", flush=True)
+    return state["step"] + 1, state["guard"]
 
+
+def repetition_reports(ro: Rollout) -> list[dict]:
+    return [
+        repetition_report(row[: int(n)].tolist())
+        for row, n in zip(ro.response_ids, ro.response_mask.sum(1))
+    ]
+
+
+def distill_inputs(cfg: DictConfig, s: Setup, problems, reps: list[dict]):
+    """The teacher's privileged prompts (one per row) and the per-minibatch exit-mass metrics."""
+    t_prompts = [
+        cfg.distill.teacher_prompt.format(prompt=p.prompt, solution=p.solution) for p in problems
+    ]
+    t_ids, t_mask = s.policy.encode_prompts(t_prompts)
+    g = cfg.rollout.group_size
+    exit_metrics = lambda st, te, rows: copy_exit_mass(st, te, [reps[r] for r in rows])  # noqa: E731
+    return t_ids.repeat_interleave(g, 0), t_mask.repeat_interleave(g, 0), exit_metrics
+
+
+def step_metrics(step, batch, ro, rewards, reps, updates, skipped, guard, cfg) -> dict:
+    m = {
+        "step": step,
+        "reward/mean": float(rewards.mean()),
+        "reward/acc": float((rewards > 0).double().mean()),
+        "response/len": float(ro.response_mask.sum(1).mean()),
+        "guard/nonfinite_skipped": skipped,
+        **rollout_dials(batch),
+        **mean_dicts(updates),
+        "repetition/terminal_loop_rate": float(np.mean([r["terminal_loop"] for r in reps])),
+        "repetition/rate": float(np.mean([r["has_repetition"] for r in reps])),
+    }
+    return m | check_collapse(guard, m, cfg.guard)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    validate(cfg)
+    run_dir = Path(cfg.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    s = build_setup(cfg)
+    update_meta(run_dir, model=s.identity)
+    metrics_path = run_dir / "metrics.jsonl"
+    start, guard = resume(s, run_dir, metrics_path)
+    s.sampler.load_weights_from_state(s.history.behaviour())
     update_meta(run_dir, resumed_from_step=start - 1)
-    eval_problems = task.sample(cfg.eval_n, "eval", cfg.seed)
+    eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.seed)
+    sampling = Sampling(cfg.rollout.group_size, cfg.rollout.max_new_tokens,
+                        cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)  # fmt: skip
+    calibrated = hasattr(s.objective, "calibrate")
+    nonfinite_run, last = 0, {}
     bar = tqdm(range(start, cfg.steps + 1), desc="train", disable=not cfg.progress)
-    last: dict[str, Any] = {}
-    reuse_old = (
-        cfg.reuse_old_logp
-        and cfg.alpha.staleness == 0
-        and cfg.alpha.minibatches == 1
-        and cfg.engine.logp_old_source == "trainer"
-        and teacher is None
-        and not cfg.engine.routing_replay  # score_rollout is what sets the replay indices
-    )
     for step in bar:
         t0 = time.time()
-        # --- rollout: μ samples G responses per prompt -----------------------------------------
-        problems = task.sample(cfg.rollout.prompts_per_step, "train", cfg.seed * 1_000_003 + step)
-        ro = sampler.generate(
-            [p.prompt for p in problems],
-            n=cfg.rollout.group_size,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            seed=cfg.seed * 1_000_003 + step,
+        seed = cfg.seed * 1_000_003 + step
+        problems = s.task.sample(cfg.rollout.prompts_per_step, "train", seed)
+        if s.old_policy is not None and s.old_policy is not s.policy:
+            s.old_policy.load_weights_from_state(s.history.behaviour())
+        reward = partial(s.task.rollout_rewards, problems, tokenizer=s.tok)
+        batch, ro, rewards = collect(
+            s.sampler, s.old_policy, [p.prompt for p in problems], reward, sampling, seed=seed,
+            advantage=cfg.advantage, logp_old_source=cfg.engine.logp_old_source,
+            mask_replay=cfg.engine.mask_replay,
+        )  # fmt: skip
+        schedule = minibatch_schedule(
+            len(rewards), cfg.alpha.minibatches, cfg.alpha.staleness, seed=step
         )
-        rewards = task.rollout_rewards(problems, ro, tok)
-        adv = group_advantages(rewards, ro.prompt_index, cfg.advantage)
-
-        keep = None
-        if cfg.engine.mask_replay and ro.support is not None:
-            keep = replay_mask(ro.support, ro.response_ids, model.config.vocab_size)
-
-        # --- trainer recompute of logp_old at the behaviour weights -----------------------------
-        # With staleness the trainer's current weights are ahead of the behaviour weights; π_old
-        # is the trainer at the weights the sampler used (decoupled PPO's behaviour policy).
-        # At staleness 0 with one minibatch θ = θ_old, so the training pass doubles as the
-        # recompute (π_old := sg(π_θ), as TRL does): one trainer forward fewer per step.
-        all_rows = torch.arange(ro.response_ids.shape[0])
-        logp_first = None
-        if reuse_old:
-            logp_first, sc = trainer_logp(trainer, ro, all_rows, keep, with_stats=True)
-            sc["logp"] = logp_first.detach()
+        push = lambda: s.history.push(s.policy.model)  # noqa: E731
+        reps = repetition_reports(ro)
+        if s.teacher is not None:
+            t_ids, t_mask, exit_metrics = distill_inputs(cfg, s, problems, reps)
+            updates, skipped = update_distill(
+                s.policy, s.teacher, s.objective, batch, ro, schedule, s.opt,
+                cfg.optim.grad_clip, t_ids, t_mask, exit_metrics, on_step=push,
+            )  # fmt: skip
         else:
-            cur = None
-            if history.lag() > 0:
-                cur = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                model.load_state_dict(history.behaviour())
-            sc = trainer.score_rollout(ro, mask_replay=cfg.engine.mask_replay)
-            if cur is not None:
-                model.load_state_dict(cur)
-        batch = TokenBatch(
-            tokens=ro.response_ids,
-            mask=ro.response_mask,
-            # "sampler": no recompute, π_old := μ (frameworks that bypass the trainer recompute);
-            # the clip then acts on π_θ/μ = α + β
-            logp_old=sc["logp"] if cfg.engine.logp_old_source == "trainer" else ro.logp_mu,
-            logp_mu=ro.logp_mu,
-            advantages=adv[:, None].expand_as(ro.logp_mu).contiguous() * ro.response_mask,
-            p_t=sc["p_t"],
-            entropy=sc["entropy"],
-            p_sq_sum=sc["p_sq_sum"],
-            group_id=ro.prompt_index,
-            seq_id=torch.arange(ro.response_ids.shape[0]),
-        )
-        if teacher is not None:
-            t_prompts = [
-                cfg.distill.teacher_prompt.format(prompt=p.prompt, solution=p.solution)
-                for p in problems
-            ]
-            t_ids, t_mask = trainer.encode_prompts(t_prompts)
-            t_ids = t_ids.repeat_interleave(cfg.rollout.group_size, 0)
-            t_mask = t_mask.repeat_interleave(cfg.rollout.group_size, 0)
-
-        reps = [
-            repetition_report(row[: int(L)].tolist())
-            for row, L in zip(ro.response_ids, ro.response_mask.sum(1))
-        ]
-
-        # --- m minibatches: optimizer steps on one rollout batch (α source 1) ------------------
-        step_metrics: list[dict[str, float]] = []
-        skipped = 0
-        model.train()
-        schedule = minibatch_schedule(len(rewards), cfg.alpha.minibatches, seed=step)
-        if reuse_old:
-            schedule = [(all_rows, 0)]
-        for rows, lag in schedule:
-            if teacher is not None:
-                s_logits, t_logits = student_teacher_logits(
-                    trainer, teacher, ro, rows, t_ids[rows], t_mask[rows]
-                )
-                out = objective(s_logits, t_logits, batch.mask[rows])
-                out.metrics.update(copy_exit_mass(s_logits, t_logits, [reps[r] for r in rows]))
-            else:
-                logp = logp_first if reuse_old else trainer_logp(trainer, ro, rows, keep)
-                if (
-                    hasattr(objective, "calibrate")
-                    and lag == 0
-                    and step % objective.calibrate_every == 1 % objective.calibrate_every
-                ):
-                    # shadow pass: the clean trainer recompute is the high-precision π_old; the
-                    # low-precision π_old is what training uses (μ when logp_old_source=sampler)
-                    step_metrics.append(
-                        objective.calibrate(
-                            logp.detach(),
-                            sc["logp"][rows],
-                            logp.detach(),
-                            batch.logp_old[rows],
-                            batch.advantages[rows],
-                            batch.mask[rows],
-                        )
-                    )
-                out = objective(logp, batch.index(rows))
-            opt.zero_grad(set_to_none=True)
-            if not torch.isfinite(out.loss):
-                skipped += 1
-                continue
-            out.loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            if not torch.isfinite(gnorm):
-                opt.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            opt.step()
-            history.push(model)
-            step_metrics.append({**out.metrics, "grad/norm": float(gnorm), "alpha/lag": lag})
-        model.eval()
-        nonfinite_run = nonfinite_run + 1 if skipped and not step_metrics else 0
-
-        # --- weight sync to the sampler (staleness: it gets the version k steps old) ------------
-        sampler.load_weights_from_state(history.behaviour())
-
-        # --- metrics ---------------------------------------------------------------------------
-        m = {
-            "step": step,
-            "reward/mean": float(rewards.mean()),
-            "reward/acc": float((rewards > 0).double().mean()),
-            "response/len": float(ro.response_mask.sum(1).mean()),
-            "guard/nonfinite_skipped": skipped,
-            **rollout_dials(sc["logp"], ro, sc["entropy"], sc["p_t"]),
-            **mean_dicts(step_metrics),
-        }
-        m["repetition/terminal_loop_rate"] = float(np.mean([r["terminal_loop"] for r in reps]))
-        m["repetition/rate"] = float(np.mean([r["has_repetition"] for r in reps]))
-        m.update(check_collapse(guard, m, cfg.guard))
+            calibrate = calibrated and (step - 1) % s.objective.calibrate_every == 0
+            batch, updates, skipped = update(
+                s.policy, s.objective, batch, ro, schedule, s.opt, cfg.optim.grad_clip,
+                mask_replay=cfg.engine.mask_replay, calibrate=calibrate, on_step=push,
+            )  # fmt: skip
+        nonfinite_run = nonfinite_run + 1 if skipped and not updates else 0
+        s.sampler.load_weights_from_state(s.history.behaviour())  # staleness: k steps old
+        m = step_metrics(step, batch, ro, rewards, reps, updates, skipped, guard, cfg)
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps or step == 1):
-            m["eval/acc"] = evaluate(trainer, task, eval_problems, cfg)
+            m["eval/acc"] = evaluate(s.policy, s.task, eval_problems, cfg)
         m["time/step_s"] = round(time.time() - t0, 3)
         with metrics_path.open("a") as f:
             f.write(json.dumps(m) + "\n")
         last = m
-        bar.set_postfix(
-            {k.split("/")[-1]: round(m[k], 3) for k in ("reward/mean", "entropy/mean") if k in m}
-            | ({"eval": m["eval/acc"]} if "eval/acc" in m else {})
-        )
-
-        # --- checkpoint / guards ---------------------------------------------------------------
+        shown = {"reward": "reward/mean", "entropy": "entropy/mean", "eval": "eval/acc"}
+        bar.set_postfix({k: round(m[v], 3) for k, v in shown.items() if v in m})
         aborting = nonfinite_run >= cfg.guard.max_nonfinite
         if aborting or step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            save_checkpoint(
-                run_dir,
-                step,
-                {
-                    "step": step,
-                    "model": model.state_dict(),
-                    "optim": opt.state_dict(),
-                    "objective": objective.state_dict(),
-                    "history": history,
-                    "guard": guard,
-                    "rng": rng_state(),
-                },
-                cfg.keep_checkpoints,
-            )
+            save_checkpoint(run_dir, step, checkpoint_state(s, step, guard), cfg.keep_checkpoints)
         if aborting:
             raise TrainingAborted(
                 f"{nonfinite_run} consecutive steps with non-finite loss or gradient (limit "
@@ -518,8 +417,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 f"{run_dir}/checkpoints. Lower the learning rate or check the objective's bounds."
             )
     update_meta(run_dir, last_step=cfg.steps)
-    sampler.close()
+    s.sampler.close()
     return last
+
+
+def checkpoint_state(s: Setup, step: int, guard: dict) -> dict[str, Any]:
+    return {
+        "step": step,
+        "model": s.policy.model.state_dict(),
+        "optim": s.opt.state_dict(),
+        "objective": s.objective.state_dict(),
+        "history": s.history,
+        "guard": guard,
+        "rng": rng_state(),
+    }
 
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")

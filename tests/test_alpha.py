@@ -47,7 +47,7 @@ def test_weight_history_lags_by_staleness():
         assert hist.behaviour()["lm_head.weight"][0, 0].item() == expected
         assert hist.lag() == min(step, 2)
     sampler = tiny_llama(1)[0]
-    hist.load_behaviour(sampler)
+    sampler.load_state_dict(hist.behaviour())
     assert sampler.lm_head.weight[0, 0].item() == 2
     assert len(hist) == 3
     assert WeightHistory(0).staleness == 0  # k = 0: on-policy sampler

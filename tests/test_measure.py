@@ -38,6 +38,28 @@ def test_measure_tiny_no_noise_no_alpha_is_exact(tmp_path):
     assert s["truth_max_abs_err"] == 0.0
 
 
+def test_truth_check_catches_a_trainer_that_moved(tmp_path, monkeypatch):
+    """A fault the algebra cannot see: the α step also moves the trainer (as shared weights
+    would). α + β = Δ_live still holds per token, but α and β are read against the wrong θ_b:
+    the pristine reference disagrees and the run stops."""
+    models = []
+    real_load, real_perturb = measure.load_model, measure.perturb_weights_
+
+    def load(*a, **k):
+        models.append(real_load(*a, **k)[0])
+        return models[-1], real_load(*a, **k)[1]
+
+    def perturb_both(model, rel_sigma, seed=0):
+        real_perturb(models[0], rel_sigma, seed=seed + 1)  # the bug: the trainer moves too
+        return real_perturb(model, rel_sigma, seed=seed)
+
+    monkeypatch.setattr(measure, "load_model", load)
+    monkeypatch.setattr(measure, "perturb_weights_", perturb_both)
+    cfg = _cfg(tmp_path, *TINY, "noise=none", "alpha.mode=perturb", "alpha.rel_sigma=0.05")
+    with pytest.raises(RuntimeError, match="ground truth check failed"):
+        measure.run(cfg)
+
+
 def test_measure_tiny_perturb_ground_truth(tmp_path):
     """Controlled α (weight perturbation) and β (layer noise): files, α + β = Δ_live, truth."""
     s = measure.run(
@@ -53,7 +75,7 @@ def test_measure_tiny_perturb_ground_truth(tmp_path):
     for f in FILES:
         assert (tmp_path / f).exists(), f
     assert abs(s["identity_mean_ratio"]["cal"] - 1) < 0.05
-    assert s["truth_max_abs_err"] < 1e-5  # α + β = Δ_live per token, by construction
+    assert s["truth_max_abs_err"] < 1e-5  # α, β equal the pristine θ_b reference's
     assert 0.03 < s["alpha"]["rel_weight_change"] < 0.07
     t6 = pd.read_csv(tmp_path / "table6.csv")
     assert list(t6.columns[: len(TABLE6_COLUMNS)]) == TABLE6_COLUMNS

@@ -19,7 +19,6 @@ from transformers import (
 from harness.models import load_model, tiny_llama, upcycle_to_moe
 from harness.noise import (
     NOISE,
-    attach_all,
     build_noise,
     forward_context,
     fp8_qdq,
@@ -503,7 +502,8 @@ def test_fp8_and_routing_compose(moe):
     x, sd = ids(), state(moe)
     ref = logits(moe, x)
     fp8 = build_noise("fp8", granularity="block", activations=True)
-    with attach_all(moe, [fp8, build_noise("routing", sigma=0.2)]):
+    routing = build_noise("routing", sigma=0.2)
+    with fp8.attached(moe), routing.attached(moe):  # attached in order, detached in reverse
         assert not torch.equal(logits(moe, x), ref)
         assert not torch.equal(
             moe.model.layers[0].mlp.experts.down_proj, sd["model.layers.0.mlp.experts.down_proj"]

@@ -217,7 +217,6 @@ def test_rollout_rewards_match_rows_to_their_prompts_and_drop_masked_text():
         response_ids=resp,
         response_mask=mask,
         logp_mu=z,
-        logp_mu_raw=z,
         support=None,
         prompt_index=torch.tensor([i for i, _, _ in texts]),
     )

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ from hydra import compose, initialize_config_dir
 
 from harness import train
 from harness.objectives import OBJECTIVES
+from harness.step import group_advantages
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 TINY = [
@@ -33,24 +35,47 @@ def test_group_advantages_by_hand():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
     g = torch.tensor([0, 0, 0, 0, 1, 1])
     # group 0: mean 0.25, std sqrt(3/16) = 0.4330; group 1: all equal -> 0
-    a = train.group_advantages(r, g, "grpo")
+    a = group_advantages(r, g, "grpo")
     assert a[0].item() == pytest.approx(0.75 / 0.4330127, rel=1e-4)
     assert a[1].item() == pytest.approx(-0.25 / 0.4330127, rel=1e-4)
     assert a[4:].abs().max() < 1e-6
-    assert train.group_advantages(r, g, "drgrpo")[:4].tolist() == [0.75, -0.25, -0.25, -0.25]
+    assert group_advantages(r, g, "drgrpo")[:4].tolist() == [0.75, -0.25, -0.25, -0.25]
     with pytest.raises(ValueError, match="valid"):
-        train.group_advantages(r, g, "ppo")
+        group_advantages(r, g, "ppo")
+
+
+@pytest.fixture
+def alternating_reward(monkeypatch):
+    """Rows alternate reward 0, 1 within every group: advantages ±1, so every policy objective
+    has a gradient (the tiny untrained model never answers: its real reward is always 0)."""
+    from harness.tasks import Task
+
+    def reward(self, problems, ro, tokenizer):
+        return (torch.arange(ro.response_ids.shape[0]) % 2).float()
+
+    monkeypatch.setattr(Task, "rollout_rewards", reward)
+
+
+def objective_overrides(name: str) -> list[str]:
+    if name == "opsd_fkl":
+        return ["objective=opsd_fkl", "distill.enabled=true", "objective.top_k=null"]
+    if name == "calibrated_clip":  # its low-precision π_old is μ, its high-precision the trainer
+        return ["objective=calibrated_clip", "engine.logp_old_source=sampler"]
+    return [f"objective={name}"]
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
-def test_every_objective_runs_three_steps(tmp_path, name):
-    extra = ["distill.enabled=true", "objective.top_k=null"] if name == "opsd_fkl" else []
-    extra += ["alpha.minibatches=2"] if name == "calibrated_clip" else []
-    cfg = _cfg(tmp_path, f"objective={name}", "steps=3", *extra)
-    last = train.run(cfg)
+def test_every_objective_trains(tmp_path, name, alternating_reward):
+    """Three steps of each objective: a finite loss and a non-zero gradient at every step (a
+    broken loss — NaN, constant, detached — fails here)."""
+    last = train.run(_cfg(tmp_path, *objective_overrides(name), "steps=3"))
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3] and last["step"] == 3
-    assert all(torch.isfinite(torch.tensor(r["reward/mean"])) for r in rows)
+    for r in rows:
+        assert r["guard/nonfinite_skipped"] == 0, r
+        assert math.isfinite(r["loss"]) and r["grad/norm"] > 0, (name, r)
+        if name != "opsd_fkl":
+            assert r["reward/mean"] == 0.5
     assert (tmp_path / "checkpoints" / "step_3.pt").exists()
 
 
@@ -72,15 +97,16 @@ def test_distill_changes_the_student(tmp_path):
     assert diff > 0 and all(r["grad/norm"] > 0 for r in _metrics(tmp_path))
 
 
-def test_resume_gives_the_same_metrics(tmp_path):
-    """Run 4 steps straight; run 2, 'crash', resume to 4: identical metric lines (CPU, seeds)."""
-    common = [
-        "objective=opsd_fkl",
-        "objective.top_k=null",
-        "distill.enabled=true",
-        "checkpoint_every=2",
-        "alpha.minibatches=2",
-    ]
+@pytest.mark.parametrize("name", ["opsd_fkl", "nsr", "calibrated_clip"])
+def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward):
+    """Run 4 steps straight; run 2, 'crash', resume to 4: identical metric lines (CPU, seeds),
+    also for the stateful objectives (NSR's generator, calibrated clipping's bounds)."""
+    common = [*objective_overrides(name), "checkpoint_every=2", "alpha.minibatches=2"]
+    if name == "calibrated_clip":
+        # recalibrate every step; logit noise on μ makes the low-precision ratio differ
+        common += ["++objective.every=1", "noise=logit", "++noise.sigma=0.5"]
+    if name != "opsd_fkl":
+        common += ["optim.lr=0.05"]  # the second minibatch's ratio leaves the clip window
     full = tmp_path / "full"
     train.run(_cfg(full, "steps=4", *common))
     part = tmp_path / "part"
@@ -93,6 +119,10 @@ def test_resume_gives_the_same_metrics(tmp_path):
         {k: v for k, v in r.items() if k not in drop} for r in b
     ]
     assert any(r["grad/norm"] > 0 for r in a)
+    if name == "nsr":
+        assert any(r["clip/frac_low"] + r["clip/frac_high"] > 0 for r in a)  # NSR had work
+    if name == "calibrated_clip":
+        assert len({r["calib/low"] for r in a}) > 1  # the bounds moved between steps
 
 
 def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):
@@ -132,7 +162,8 @@ def test_staleness_and_minibatches_create_alpha(tmp_path):
     )
     train.run(cfg)
     rows = _metrics(tmp_path)
-    assert rows[-1]["alpha/lag"] == pytest.approx(0.5)  # lags 0 and 1 over the two minibatches
+    # staleness 1 + minibatch lags 0, 1: the two minibatches train 1 and 2 steps late
+    assert rows[-1]["alpha/lag"] == pytest.approx(1.5)
 
 
 def test_bad_config_fails_before_compute(tmp_path):
@@ -168,21 +199,19 @@ def test_smollm2_three_steps(tmp_path):
 
 def test_training_pass_doubles_as_logp_old_recompute(tiny_llama):
     """reuse_old_logp: the with-grad training pass gives the same π_old and stats as the
-    separate no-grad recompute (score_rollout), including under top-p mask replay."""
+    separate no-grad recompute, including under top-p mask replay and for a subset of rows."""
     from harness.engines import Engine
-    from harness.logprobs import replay_mask
 
     model, tok = tiny_llama
     eng = Engine(model, tok)
     ro = eng.generate(["12+3=", "ab"], n=3, max_new_tokens=7, top_p=0.9, seed=1)
-    B, T = ro.response_ids.shape
-    keep = replay_mask(ro.support, ro.response_ids, model.config.vocab_size)
-    logp, st = train.trainer_logp(eng, ro, torch.arange(B), keep, with_stats=True)
-    ref = eng.score_rollout(ro, mask_replay=True)
-    m = ro.response_mask.bool()
-    assert logp.requires_grad
-    for k, v in {"logp": logp.detach(), **st}.items():
-        assert (v - ref[k])[m].abs().max() <= 1e-5, k
+    rows = torch.tensor([4, 0, 2])
+    out = eng.logp(ro, rows, grad=True, mask_replay=True)
+    ref = eng.logp(ro, mask_replay=True)
+    m = ro.response_mask[rows].bool()
+    assert out["logp"].requires_grad and not ref["logp"].requires_grad
+    for k, v in out.items():
+        assert (v.detach() - ref[k][rows])[m].abs().max() <= 1e-5, k
 
 
 def test_copy_exit_mass_by_hand():
@@ -205,3 +234,21 @@ def test_copy_exit_mass_by_hand():
     assert m["repetition/exit_mass_ratio"] == pytest.approx(0.5)
     assert m["repetition/copy_frac_student_above"] == 1.0
     assert train.copy_exit_mass(logits(0.75), logits(0.5), [repetition_report([1, 2, 3])]) == {}
+
+
+def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path):
+    """R3 with m = 2 and staleness 1 (crashed before: the replay indices were those of the whole
+    batch, set only by a no-grad recompute): each minibatch replays its own rows' routes, and
+    replay brings the trainer closer to μ than no replay does."""
+    common = ["model=tiny-moe", "noise=routing", "++noise.sigma=0.5", "steps=2",
+              "alpha.minibatches=2", "alpha.staleness=1", "eval_every=0"]  # fmt: skip
+    train.run(_cfg(tmp_path / "r3", *common, "engine.routing_replay=true"))
+    train.run(_cfg(tmp_path / "plain", *common))
+    r3, plain = _metrics(tmp_path / "r3"), _metrics(tmp_path / "plain")
+    assert [r["step"] for r in r3] == [1, 2] and all(r["grad/norm"] >= 0 for r in r3)
+    assert r3[0]["dial/mean_abs_delta"] < 0.5 * plain[0]["dial/mean_abs_delta"]
+
+
+def test_calibrated_clip_refuses_to_calibrate_a_ratio_against_itself(tmp_path):
+    with pytest.raises(ValueError, match="logp_old_source='trainer' makes them the same tensor"):
+        train.run(_cfg(tmp_path, "objective=calibrated_clip", "steps=1"))

@@ -15,8 +15,8 @@ Engine contract
   noise = build_noise(name, **kwargs)   # KeyError (valid names) / TypeError (valid kwargs)
   noise.attach(model) ... noise.detach()  or  `with noise.attached(model): ...`
       detach leaves the model bit-identical (hooks removed, FP8 weight swaps restored).
-      Several compose: `with attach_all(model, [fp8, routing]):` attaches in order, detaches in
-      reverse.
+      Several compose: `Engine(model, tok, noise=[fp8, routing])` attaches them in order and
+      `close()` detaches them in reverse.
   noise.on_weight_sync()                # after copying new weights into the sampler; FP8
                                         # re-quantises from them, the others do nothing
   Every sampler forward runs inside the determinism context:
@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from harness.noise.base import NoiseModel, attach_all
+from harness.noise.base import NoiseModel
 from harness.noise.batch import BatchNoise
 from harness.noise.context import ForwardContext, current, forward_context, prefix_hash
 from harness.noise.fp8 import Fp8Noise, fp8_qdq
@@ -66,7 +66,6 @@ __all__ = [
     "NOISE",
     "build_noise",
     "NoiseModel",
-    "attach_all",
     "ForwardContext",
     "current",
     "forward_context",

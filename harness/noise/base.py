@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -83,17 +83,3 @@ class NoiseModel:
         if not self.deterministic:
             return torch.randn(hash_T.shape[0], n, generator=self._gen).to(hash_T.device)
         return hashed_normal(mix64(hash_T ^ mix_int(self.seed, *stream)), n)
-
-
-@contextlib.contextmanager
-def attach_all(model: nn.Module, noises: Sequence[NoiseModel]) -> Iterator[Sequence[NoiseModel]]:
-    """Attach several noise models in order and detach them in reverse (e.g. fp8 then routing)."""
-    done: list[NoiseModel] = []
-    try:
-        for n in noises:
-            n.attach(model)
-            done.append(n)
-        yield noises
-    finally:
-        for n in reversed(done):
-            n.detach()

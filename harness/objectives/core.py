@@ -33,13 +33,12 @@ from harness.batch import (
     log_ratio_train_inference,
     log_ratio_trust_region,
 )
+from harness.diagnostics import SAFETY, ess
 from harness.registry import check_kwargs, lookup, register
 
 OBJECTIVES: dict[str, Callable] = {}
 AGGREGATIONS: dict[str, Callable] = {}
 
-SAFETY = 20.0  # |log ratio| cap before exp (verl SAFETY_BOUND)
-CAP = 2.0  # the cap C of the `ratio/capped_mean` dial (Table 7), verl's default TIS threshold
 RATIOS = ("trust", "ti", "folded")
 LEVELS = ("token", "sequence", "geometric")
 
@@ -237,11 +236,6 @@ def aggregator(name: str, norm_len: int | None) -> Callable[[Tensor, Tensor], Te
 # --- metrics -------------------------------------------------------------------------------------
 
 
-def ess(w: Tensor, m: Tensor) -> Tensor:
-    """Normalised effective sample size (Σw)² / (N Σw²) ∈ (0, 1] over m (Table 7; verl)."""
-    return (w * m).sum() ** 2 / (m.sum() * (w * w * m).sum()).clamp_min(1e-30)
-
-
 @torch.no_grad()
 def policy_metrics(
     batch: TokenBatch, weight: Tensor, keep: Tensor, low: Tensor, high: Tensor, flip: Tensor
@@ -249,13 +243,12 @@ def policy_metrics(
     """The namespaced metrics every policy objective returns (issue 4).
 
     clip/* and mask/* and rescue/* are fractions of response tokens; is/* describe the applied
-    detached weight sg(coef · w) over kept tokens (is/ess_seq on per-sequence mean weights);
-    ratio/* and kl/* are the μ-vs-π_old dials on ρ = π_old/μ (kl/k1 = E[−log ρ], k3 = E[ρ−1−log ρ]).
+    detached weight sg(coef · w) over kept tokens (is/ess_seq on per-sequence mean weights).
+    The dials on ρ = π_old/μ are the batch's, not the objective's: harness.diagnostics (the loop
+    logs them as dial/*).
     """
     m = batch.mask
     n = m.sum().clamp_min(1.0)
-    log_rho = log_ratio(batch.logp_old, batch, "ti")
-    rho = log_rho.exp()
     k = m * keep
     per_seq = k.sum(-1)
     w_seq = (weight * k).sum(-1) / per_seq.clamp_min(1.0)
@@ -267,14 +260,9 @@ def policy_metrics(
         "is/weight_mean": (weight * k).sum() / k.sum().clamp_min(1.0),
         "is/weight_max": weight.masked_fill(k == 0, -math.inf).max(),
         "is/weight_min": weight.masked_fill(k == 0, math.inf).min(),
-        "is/ess": ess(weight, k),
-        "is/ess_seq": ess(w_seq, (per_seq > 0).to(w_seq)),
-        "ratio/uncapped_mean": (rho * m).sum() / n,
-        "ratio/capped_mean": (rho.clamp(max=CAP) * m).sum() / n,
-        "kl/k1": (-log_rho * m).sum() / n,
-        "kl/k3": ((rho - 1 - log_rho) * m).sum() / n,
     }
-    return dict(zip(vals, torch.stack([v.float() for v in vals.values()]).tolist()))
+    out = dict(zip(vals, torch.stack([v.float() for v in vals.values()]).tolist()))
+    return out | {"is/ess": ess(weight, k), "is/ess_seq": ess(w_seq, (per_seq > 0).to(w_seq))}
 
 
 # --- the composed objective ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from harness.batch import TokenBatch
+from harness.diagnostics import CONF_EDGES, bin_index
 from harness.objectives.core import (
     OBJECTIVES,
     PolicyObjective,
@@ -26,7 +27,6 @@ from harness.objectives.core import (
 from harness.registry import register
 
 CLIP_BASES = {"ppo_clip": ("token", 0.2, 0.28), "gspo": ("geometric", 3e-4, 4e-4)}
-SNR_EDGES = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)  # methods.md §2.3 (DERIVED)
 
 
 def clip_term(
@@ -311,13 +311,13 @@ class SNRShrink(PolicyObjective):
         self, ratio: str, edges: Sequence[float], lam: Any, lower: Any, upper: Any, **agg: Any
     ) -> None:
         super().__init__(Term(ratio, "token", "clamp"), **agg)
-        self.edges = torch.as_tensor(edges, dtype=torch.float32)
+        self.edges = tuple(float(e) for e in edges)
         n_bins = len(edges) - 1
         self.lam, self.lower, self.upper = (per_bin(x, n_bins) for x in (lam, lower, upper))
 
     def bounds(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
         p = trainer_prob(batch)
-        b = torch.bucketize(p, self.edges[1:-1].to(p), right=True)  # bins [e_i, e_{i+1})
+        b = bin_index(p, self.edges)
         return self.lam.to(p)[b], self.lower.to(p)[b], self.upper.to(p)[b]
 
     def state_dict(self) -> dict[str, Any]:
@@ -334,7 +334,7 @@ class SNRShrink(PolicyObjective):
 def snr_shrink(
     *,
     ratio: str = "folded",
-    edges: Sequence[float] = SNR_EDGES,
+    edges: Sequence[float] = CONF_EDGES,
     lam: float | Sequence[float] = 0.85,
     lower: float | Sequence[float] = 0.5,
     upper: float | Sequence[float] = 2.0,

@@ -1,0 +1,214 @@
+"""One GRPO step, written once, around the three policies (issue 13).
+
+    batch, ro = collect(sampler, old_policy, prompts, reward, sampling, seed=..)   # μ, r, A, π_old
+    batch, metrics, skipped = update(policy, objective, batch, ro, schedule, opt, grad_clip)
+
+`sampler` (μ), `old_policy` (π_old: the trainer's weights at the behaviour version) and `policy`
+(π_θ) are Engines, each with its own weights. At staleness 0 π_old *is* the policy before the
+update, so the loop passes the policy itself; with one minibatch it may pass `old_policy=None`:
+the update's only pass is then at θ = θ_old and doubles as π_old (π_old := sg(π_θ), as TRL does;
+one forward fewer). `harness.train.run`, `harness.measure` and `benchmarks/bench_step.py` all
+call these; `update_distill` is the self-distillation (OPSD) update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from harness.batch import TokenBatch
+from harness.engines import Engine, Rollout
+
+ADVANTAGES = ("grpo", "drgrpo")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What μ samples: n responses per prompt under temperature / top-k / top-p."""
+
+    n: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+def group_advantages(rewards: Tensor, group: Tensor, kind: str = "grpo") -> Tensor:
+    """GRPO: (r − mean_g) / (std_g + 1e-6); Dr.GRPO: r − mean_g (no std normalisation)."""
+    if kind not in ADVANTAGES:
+        raise ValueError(f"advantage={kind!r}; valid: {', '.join(map(repr, ADVANTAGES))}")
+    adv = torch.empty_like(rewards)
+    for g in group.unique():
+        sel = group == g
+        centred = rewards[sel] - rewards[sel].mean()
+        std = rewards[sel].std(unbiased=False)
+        adv[sel] = centred / (std + 1e-6) if kind == "grpo" else centred
+    return adv
+
+
+def collect(
+    sampler: Engine,
+    old_policy: Engine | None,
+    prompts: Sequence,
+    reward: Callable[[Rollout], Tensor],
+    sampling: Sampling,
+    *,
+    seed: int,
+    advantage: str = "grpo",
+    logp_old_source: str = "trainer",
+    mask_replay: bool = True,
+    progress: bool = False,
+) -> tuple[TokenBatch, Rollout, Tensor]:
+    """μ samples `sampling.n` responses per prompt; `reward(ro)` → [B] rewards; group
+    advantages; π_old scored by `old_policy` (with the sampler's support and routes for these
+    rows). Returns (batch, rollout, rewards); `batch.logp_old` is None when `old_policy` is."""
+    ro = sampler.generate(
+        list(prompts),
+        n=sampling.n,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=seed,
+        progress=progress,
+    )
+    rewards = reward(ro)
+    adv = group_advantages(rewards, ro.prompt_index, advantage)
+    batch = TokenBatch(
+        tokens=ro.response_ids,
+        mask=ro.response_mask,
+        logp_old=None,
+        logp_mu=ro.logp_mu,
+        advantages=adv[:, None].expand_as(ro.logp_mu) * ro.response_mask,
+    )
+    if old_policy is not None:
+        batch = batch.with_old(old_policy.logp(ro, mask_replay=mask_replay), logp_old_source)
+    return batch, ro, rewards
+
+
+def optimizer_step(model: torch.nn.Module, loss: Tensor, opt, grad_clip: float) -> float | None:
+    """backward, clip, step; None (and no step) when the loss or the gradient is non-finite."""
+    opt.zero_grad(set_to_none=True)
+    if not torch.isfinite(loss):
+        return None
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if not torch.isfinite(gnorm):
+        opt.zero_grad(set_to_none=True)
+        return None
+    opt.step()
+    return float(gnorm)
+
+
+def update(
+    policy: Engine,
+    objective,
+    batch: TokenBatch,
+    ro: Rollout,
+    schedule: Sequence[tuple[Tensor, int]],
+    opt,
+    grad_clip: float,
+    *,
+    mask_replay: bool = True,
+    calibrate: bool = False,
+    on_step: Callable[[], None] | None = None,
+) -> tuple[TokenBatch, list[dict[str, float]], int]:
+    """One optimizer step per (rows, lag) minibatch of `schedule`, in order. `batch.logp_old`
+    None: π_old := the first pass's detached π_θ (one minibatch only). `calibrate`: the first
+    minibatch feeds the objective's calibration first (calibrated clipping: the trainer
+    recompute `logp_recompute` is its high-precision π_old, `logp_old` the low-precision one).
+    `on_step()` runs after each optimizer step (the loop's weight history). Returns (the batch
+    with π_old, per-minibatch metrics, number of minibatches skipped as non-finite)."""
+    if batch.logp_old is None and len(schedule) != 1:
+        raise ValueError("π_old from the training pass needs exactly one minibatch")
+    metrics: list[dict[str, float]] = []
+    skipped = 0
+    policy.model.train()
+    for i, (rows, lag) in enumerate(schedule):
+        out = policy.logp(
+            ro, rows, grad=True, stats=batch.logp_old is None, mask_replay=mask_replay
+        )
+        if batch.logp_old is None:
+            batch = batch.with_old(out)
+        logp, mb = out["logp"], batch.index(rows)
+        if calibrate and i == 0:
+            metrics.append(
+                objective.calibrate(
+                    logp.detach(),
+                    mb.logp_recompute,
+                    logp.detach(),
+                    mb.logp_old,
+                    mb.advantages,
+                    mb.mask,
+                )  # fmt: skip
+            )
+        res = objective(logp, mb)
+        gnorm = optimizer_step(policy.model, res.loss, opt, grad_clip)
+        if gnorm is None:
+            skipped += 1
+            continue
+        if on_step is not None:
+            on_step()
+        metrics.append(
+            {**res.metrics, "loss": float(res.loss.detach()), "grad/norm": gnorm, "alpha/lag": float(lag)}
+        )
+    policy.model.eval()
+    return batch, metrics, skipped
+
+
+def student_teacher_logits(
+    student: Engine, teacher: torch.nn.Module, ro: Rollout, rows, teacher_ids, teacher_mask
+) -> tuple[Tensor, Tensor]:
+    """Full logits at the response positions: the student's (with grad) and the frozen teacher's
+    conditioned on its privileged prompt (same response tokens, longer prompt)."""
+    T = ro.response_ids.shape[1]
+    s = student.model(input_ids=ro.tokens[rows], attention_mask=ro.attention_mask[rows]).logits
+    t_ids = torch.cat([teacher_ids, ro.response_ids[rows]], 1)
+    t_mask = torch.cat([teacher_mask, ro.response_mask[rows].long()], 1)
+    with torch.no_grad():
+        t = teacher(input_ids=t_ids, attention_mask=t_mask).logits
+    return s[:, -T - 1 : -1], t[:, -T - 1 : -1]
+
+
+def update_distill(
+    student: Engine,
+    teacher: torch.nn.Module,
+    objective,
+    batch: TokenBatch,
+    ro: Rollout,
+    schedule: Sequence[tuple[Tensor, int]],
+    opt,
+    grad_clip: float,
+    teacher_ids: Tensor,
+    teacher_mask: Tensor,
+    extra_metrics: Callable[[Tensor, Tensor, Tensor], dict[str, Any]] | None = None,
+    on_step: Callable[[], None] | None = None,
+) -> tuple[list[dict[str, float]], int]:
+    """OPSD: the student minimises `objective(student_logits, teacher_logits, mask)` on its own
+    samples, one optimizer step per minibatch; `extra_metrics(s_logits, t_logits, rows)` adds
+    per-minibatch metrics (the loop's exit mass at first-copy positions)."""
+    metrics: list[dict[str, float]] = []
+    skipped = 0
+    student.model.train()
+    for rows, lag in schedule:
+        s, t = student_teacher_logits(
+            student, teacher, ro, rows, teacher_ids[rows], teacher_mask[rows]
+        )
+        res = objective(s, t, batch.mask[rows])
+        if extra_metrics is not None:
+            res.metrics.update(extra_metrics(s, t, rows))
+        gnorm = optimizer_step(student.model, res.loss, opt, grad_clip)
+        if gnorm is None:
+            skipped += 1
+            continue
+        if on_step is not None:
+            on_step()
+        metrics.append(
+            {**res.metrics, "loss": float(res.loss.detach()), "grad/norm": gnorm, "alpha/lag": float(lag)}
+        )
+    student.model.eval()
+    return metrics, skipped
