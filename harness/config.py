@@ -1,8 +1,9 @@
 """Typed config schema for `python -m harness.train` (Hydra structured config).
 
-Swept axes (task, noise, objective) are `{name: <registry key>, **kwargs}` nodes whose kwargs
-are spelled like the builder's keyword arguments and checked against its signature before any
-compute. Everything else is typed here, so typos and wrong types fail at composition time.
+Swept axes (task, noise, objective, aggregation) are `{name: <registry key>, **kwargs}` nodes
+whose kwargs are spelled like the builder's keyword arguments and checked against its signature
+before any compute. Everything else is typed here, so typos and wrong types fail at composition
+time.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
 
 @dataclass
@@ -80,7 +82,7 @@ class TrainConfig:
     noise: dict[str, Any] = field(default_factory=lambda: {"name": "none"})  # sampler β
     extra_noise: list[dict[str, Any]] = field(default_factory=list)  # composed after `noise`
     objective: dict[str, Any] = field(default_factory=lambda: {"name": "ppo_clip"})
-    aggregation: str = "token-mean"
+    aggregation: dict[str, Any] = field(default_factory=lambda: {"name": "token-mean"})
     advantage: str = "grpo"  # grpo (mean/std) | drgrpo (mean only)
     engine: EngineCfg = field(default_factory=EngineCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
@@ -98,4 +100,17 @@ class TrainConfig:
     reuse_old_logp: bool = True
 
 
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+# The swept-axis nodes and the warm-start recipe are open: their keys are the builders' keyword
+# arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked
+# against the builder's signature before any compute (harness.launch.check_nodes).
+OPEN_NODES = ("task", "noise", "objective", "aggregation", "model.warmstart")
+
+
+def schema() -> DictConfig:
+    node = OmegaConf.structured(TrainConfig)
+    for key in OPEN_NODES:
+        OmegaConf.set_struct(OmegaConf.select(node, key), False)
+    return node
+
+
+ConfigStore.instance().store(name="train_schema", node=schema())

@@ -182,12 +182,32 @@ def check_nodes(cfg: DictConfig) -> None:
             if node is not None:
                 _check_node(NOISE, node, "noise")
     if "objective" in cfg or "aggregation" in cfg:
-        from harness.objectives import AGGREGATIONS, OBJECTIVES
+        from harness.objectives import OBJECTIVES
 
         if "objective" in cfg:
             _check_node(OBJECTIVES, cfg.objective, "objective")
         if "aggregation" in cfg:
-            lookup(AGGREGATIONS, cfg.aggregation, "aggregation")
+            check_aggregation(cfg.aggregation)
+
+
+AGGREGATION_KEYS = ("rejected_in_denominator", "norm_len")
+
+
+def check_aggregation(node) -> None:
+    """The aggregation node: a registered name and only the keys the objectives take from it."""
+    from harness.objectives import AGGREGATIONS
+
+    d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    if not isinstance(d, dict) or "name" not in d:
+        raise ValueError(f"aggregation must be a node {{name: ...}}, got {d!r}")
+    fn = lookup(AGGREGATIONS, d["name"], "aggregation")
+    bad = sorted(set(d) - {"name", *AGGREGATION_KEYS})
+    if bad:
+        raise TypeError(
+            f"aggregation {d['name']!r}: unknown key(s) {bad}; valid: {list(AGGREGATION_KEYS)}"
+        )
+    if d.get("norm_len") is not None:
+        check_kwargs(fn, {"norm_len": d["norm_len"]}, f"aggregation {d['name']!r}")
 
 
 # --- the task wrapper --------------------------------------------------------------------------

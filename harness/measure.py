@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.alpha import minibatch_schedule, perturb_weights_
 from harness.batch import TokenBatch
-from harness.diagnostics import bin_index, identity_check
+from harness.diagnostics import CONF_EDGES, bin_index, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import run_task
@@ -341,6 +341,8 @@ def run(cfg: DictConfig) -> dict:
     timings: dict[str, float] = {}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.edges is None:  # the one set of confidence bins, recorded in config.yaml
+        cfg.edges = list(CONF_EDGES)
     write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     torch.manual_seed(cfg.seed)
     nodes = noise_nodes(cfg)

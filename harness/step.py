@@ -154,7 +154,12 @@ def update(
         if on_step is not None:
             on_step()
         metrics.append(
-            {**res.metrics, "loss": float(res.loss.detach()), "grad/norm": gnorm, "alpha/lag": float(lag)}
+            {
+                **res.metrics,
+                "loss": float(res.loss.detach()),
+                "grad/norm": gnorm,
+                "alpha/lag": float(lag),
+            }
         )
     policy.model.eval()
     return batch, metrics, skipped
@@ -208,7 +213,12 @@ def update_distill(
         if on_step is not None:
             on_step()
         metrics.append(
-            {**res.metrics, "loss": float(res.loss.detach()), "grad/norm": gnorm, "alpha/lag": float(lag)}
+            {
+                **res.metrics,
+                "loss": float(res.loss.detach()),
+                "grad/norm": gnorm,
+                "alpha/lag": float(lag),
+            }
         )
     student.model.eval()
     return metrics, skipped

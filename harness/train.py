@@ -42,7 +42,7 @@ from harness.batch import TokenBatch
 from harness.diagnostics import bin_means, dials, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_text_atomic
-from harness.launch import run_task, update_meta
+from harness.launch import AGGREGATION_KEYS, run_task, update_meta
 from harness.models import load_model, resolve_dtype, upcycle_to_moe
 from harness.noise import build_noise
 from harness.objectives import build_objective
@@ -233,6 +233,12 @@ def validate(cfg: DictConfig) -> None:
         if value not in valid:
             raise ValueError(f"{key}={value!r}; valid: {', '.join(map(repr, valid))}")
     obj = cfg.objective.name
+    misplaced = sorted({"aggregation", *AGGREGATION_KEYS} & set(cfg.objective))
+    if misplaced:
+        raise ValueError(
+            f"objective.{misplaced[0]} is the aggregation group's: set aggregation=<name> and "
+            f"aggregation.{'|'.join(AGGREGATION_KEYS)}=<value> instead"
+        )
     if cfg.distill.enabled != (obj == "opsd_fkl"):
         raise ValueError(
             "distill.enabled=true needs objective=opsd_fkl, and opsd_fkl needs distill.enabled"
@@ -280,8 +286,9 @@ def build_setup(cfg: DictConfig) -> Setup:
     else:
         old_policy = policy
     obj_name, obj_kw = split_node(cfg.objective)
-    if obj_name != "opsd_fkl":
-        obj_kw.setdefault("aggregation", cfg.aggregation)
+    if obj_name != "opsd_fkl":  # the aggregation node: the name and the denominator convention
+        agg_name, agg_kw = split_node(cfg.aggregation)
+        obj_kw.update(aggregation=agg_name, **agg_kw)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optim.lr,

@@ -106,10 +106,43 @@ def test_group_files_match_registry(group, tmp_path):
         node = cfg[group]
         if group == "model":
             assert node.spec == option
-        elif group == "aggregation":
-            assert node == option
         else:
             assert node.name == option
+
+
+@pytest.mark.parametrize("group", ["objective", "aggregation"])
+def test_group_files_do_not_restate_python_defaults(group):
+    """One source of truth: a group file names its builder and nothing else; the keyword
+    defaults are the builder's signature."""
+    for path in sorted((EXP / group).glob("*.yaml")):
+        assert OmegaConf.to_container(OmegaConf.load(path)) == {"name": path.stem}, path
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_objective_name_and_objective_group_are_the_same(name, tmp_path):
+    """`objective.name=X` (the default group's file has no kwargs to leak) == `objective=X`."""
+    from harness.train import build_objective, split_node
+
+    a, _, _ = load("train", [f"objective={name}"], tmp_path)
+    b, _, _ = load("train", [f"objective.name={name}"], tmp_path)
+    assert a.objective == b.objective == {"name": name}
+    check_nodes(b)
+    (na, kw_a), (nb, kw_b) = split_node(a.objective), split_node(b.objective)
+    assert type(build_objective(na, **kw_a)) is type(build_objective(nb, **kw_b))
+
+
+def test_swept_nodes_take_keys_without_a_plus(tmp_path):
+    cfg, _, _ = load(
+        "train",
+        ["objective=cispo", "objective.lo=0.3", "task.digits=3", "noise=logit", "noise.sigma=0.2",
+         "aggregation=seq-mean-token-sum-norm", "aggregation.norm_len=24",
+         "model.warmstart.steps=5"],
+        tmp_path,
+    )  # fmt: skip
+    check_nodes(cfg)
+    assert cfg.objective.lo == 0.3 and cfg.task.digits == 3 and cfg.noise.sigma == 0.2
+    assert cfg.aggregation == {"name": "seq-mean-token-sum-norm", "norm_len": 24}
+    assert cfg.model.warmstart.steps == 5
 
 
 def test_launchers_compose(tmp_path):
@@ -152,6 +185,8 @@ def test_schema_rejects_typos_and_types_at_compose(overrides, tmp_path):
         (["noise=logit", "+noise.sigmaa=0.1"], r"unknown argument.*sigmaa"),
         (["task=arithmetic", "+task.digit=3"], r"unknown argument.*digit"),
         (["+extra_noise=[{name: fp9}]"], r"unknown noise 'fp9'; valid: batch, fp8"),
+        (["aggregation.norm_len=3"], r"aggregation 'token-mean': unknown argument.*norm_len"),
+        (["aggregation.denominator=1"], r"unknown key.*denominator.*rejected_in_denominator"),
     ],
 )
 def test_node_typos_fail_before_compute(overrides, match, tmp_path):

@@ -263,7 +263,9 @@ def _teacher_forced_lean_logits(model, tok, prompts, forced):
     return torch.stack(steps, 1), ids, attn, lean
 
 
-@pytest.mark.parametrize("spec", ["tiny-llama", "smollm2-135m"])
+@pytest.mark.parametrize(
+    "spec", ["tiny-llama", pytest.param("smollm2-135m", marks=pytest.mark.slow)]
+)
 def test_lean_decode_logits_equal_the_full_forward(spec):
     """Teacher-forced: every decode step's logits equal the model's full forward over the whole
     left-padded sequence (GQA in both; SmolLM2: 9 query / 3 KV heads, tied embeddings)."""
@@ -289,7 +291,12 @@ def test_lean_decode_logits_equal_the_full_forward(spec):
 
 
 @pytest.mark.parametrize(
-    "spec,dtype", [("tiny-llama", "fp32"), ("tiny-llama", "bf16"), ("smollm2-135m", "bf16")]
+    "spec,dtype",
+    [
+        ("tiny-llama", "fp32"),
+        ("tiny-llama", "bf16"),
+        pytest.param("smollm2-135m", "bf16", marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.parametrize("prompts", [["12+3=", "hello wo"], ["12+3=", "45+6="]])
 def test_lean_decode_rollouts_are_bit_identical_to_the_hf_path(spec, dtype, prompts):

@@ -264,20 +264,51 @@ def test_snr_shrink_by_hand_and_state():
         build_objective("snr_shrink", edges=[0, 0.5, 1], lam=[1, 1, 1])
 
 
-def test_grid_composes_named_methods_and_new_points():
+# every named method that is a PolicyObjective, rebuilt as a grid point
+PPO = dict(lo=0.8, hi=1.28)
+GRID_POINTS = [
+    ("ppo_clip", {}, {}),
+    ("ppo_clip", dict(c=3.0), dict(c=3.0)),
+    ("gspo", {}, dict(level="geometric", lo=1 - 3e-4, hi=1 + 4e-4,
+                      aggregation="seq-mean-token-mean")),
+    ("tis", dict(level="sequence"),
+     dict(corrections=[dict(kind="ratio", ratio="ti", level="sequence", hi=2.0)])),
+    ("mis", dict(ratio="folded"),
+     dict(corrections=[dict(kind="ratio", ratio="folded", treatment="mask", lo=0.5)])),
+    ("mis", dict(reweight=True), dict(corrections=[dict(kind="ratio", treatment="pop", lo=0.5)])),
+    ("cispo", {}, dict(treatment="clamp", lo=0.0, hi=5.0)),
+    ("band", {}, dict(ratio="folded", treatment="band", lo=0.7, hi=6.0)),
+    ("dppo_tv", {}, dict(ratio="folded", treatment="clamp", lo=0.0, hi=math.inf,
+                         corrections=[dict(kind="tv")])),
+    ("dppo_tv", dict(ratio="trust", c=2.0, two_sided=True),
+     dict(treatment="clamp", lo=0.0, hi=2.0, corrections=[dict(kind="tv", ratio="trust",
+                                                               two_sided=True)])),
+    ("cis", dict(lam=1.5), dict(**PPO, corrections=[dict(kind="cis", lam=1.5)])),
+    ("stapo", dict(tau_p=0.3), dict(**PPO, rejected_in_denominator=False,
+                                    corrections=[dict(kind="s2t", tau_p=0.3)])),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, kw, grid_kw", GRID_POINTS)
+def test_grid_rebuilds_every_named_method(name, kw, grid_kw):
+    """Same loss and same gradient as the named method, on a batch where every mechanism acts
+    (spread ratios, both advantage signs, low-p and high-p tokens)."""
     logp, b = random_batch(spread=0.6)
-    pairs = [
-        ("ppo_clip", {}, {}),
-        ("tis", dict(level="sequence"), dict(is_ratio="ti", is_level="sequence", is_hi=2.0)),
-        ("cispo", {}, dict(treatment="clamp", lo=0.0, hi=5.0)),
-        ("mis", dict(ratio="folded"), dict(is_ratio="folded", is_treatment="mask", is_lo=0.5)),
-        ("band", {}, dict(ratio="folded", treatment="band", lo=0.7, hi=6.0)),
-    ]
-    for name, kw, grid_kw in pairs:
-        a, g, _ = run(build_objective(name, **kw), logp, b)
-        a2, g2, _ = run(build_objective("grid", **grid_kw), logp, b)
-        assert a == pytest.approx(a2, abs=1e-6), name
-        torch.testing.assert_close(g, g2)
+    a, g, m = run(build_objective(name, **kw), logp, b)
+    a2, g2, m2 = run(build_objective("grid", **grid_kw), logp, b)
+    assert a == pytest.approx(a2, abs=1e-6), name
+    torch.testing.assert_close(g, g2)
+    assert m == m2
+
+
+def test_grid_corrections_fail_with_the_valid_names():
+    with pytest.raises(ValueError, match="kind='tis'; valid: ratio, tv, cis, s2t"):
+        build_objective("grid", corrections=[dict(kind="tis")])
+    with pytest.raises(TypeError, match=r"unknown field\(s\) \['cap'\]; valid: \['lam', 'kappa'\]"):
+        build_objective("grid", corrections=[dict(kind="cis", cap=2)])
+
+
+def test_grid_new_points():
     # a new point: CISPO-style clamp of the geometric folded ratio. One sequence, log r = [0, L(4)]
     # -> s = 2 -> clip(2, 0, 1.5) = 1.5 on both tokens; grad = -1.5·A/2 with A = 1
     new = build_objective("grid", ratio="folded", level="geometric", treatment="clamp", hi=1.5)
@@ -321,7 +352,7 @@ def test_mu_equals_pi_old_makes_every_is_weight_one():
         ("mis", {}),
         ("cis", {}),
         ("calibrated_clip", dict(cap=2.0)),
-        ("grid", dict(is_ratio="ti")),
+        ("grid", dict(corrections=[dict(kind="ratio", ratio="ti")])),
     ]
     for name, kw in ti_corrected:
         m = run(build_objective(name, **kw), logp, b)[2]

@@ -252,3 +252,10 @@ def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path
 def test_calibrated_clip_refuses_to_calibrate_a_ratio_against_itself(tmp_path):
     with pytest.raises(ValueError, match="logp_old_source='trainer' makes them the same tensor"):
         train.run(_cfg(tmp_path, "objective=calibrated_clip", "steps=1"))
+
+
+def test_readme_example_objective_name_and_noise_name(tmp_path):
+    """The README's `objective.name=cispo noise.name=logit noise.sigma=0.3`: ppo_clip's file has
+    no kwargs to leak into cispo (this failed with "unknown argument(s) ['c', 'eps_high', ...]")."""
+    cfg = _cfg(tmp_path, "objective.name=cispo", "noise.name=logit", "noise.sigma=0.3", "steps=1")
+    assert train.run(cfg)["step"] == 1

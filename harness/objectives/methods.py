@@ -7,6 +7,7 @@ absolute lo/hi. Every builder also takes aggregation / rejected_in_denominator /
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -355,6 +356,24 @@ def snr_shrink(
     )
 
 
+# the corrections a grid point can multiply in: name -> dataclass (its fields are the kwargs)
+CORRECTIONS = {"ratio": RatioCorrection, "tv": TVMask, "cis": CISWeight, "s2t": S2TMask}
+
+
+def build_correction(spec: dict[str, Any]):
+    """{"kind": ratio | tv | cis | s2t, **fields} -> the correction; bad names list the valid."""
+    spec = dict(spec)
+    kind = spec.pop("kind", None)
+    if kind not in CORRECTIONS:
+        raise ValueError(f"grid correction kind={kind!r}; valid: {', '.join(CORRECTIONS)}")
+    cls = CORRECTIONS[kind]
+    fields = [f.name for f in dataclasses.fields(cls)]
+    bad = sorted(set(spec) - set(fields))
+    if bad:
+        raise TypeError(f"grid correction {kind!r}: unknown field(s) {bad}; valid: {fields}")
+    return cls(**spec)
+
+
 @register(OBJECTIVES, "grid")
 def grid(
     *,
@@ -365,22 +384,17 @@ def grid(
     hi: float = 1.28,
     c: float | None = None,
     lam: float = 1.0,
-    is_ratio: str | None = None,
-    is_level: str = "token",
-    is_treatment: str = "clamp",
-    is_lo: float = 0.0,
-    is_hi: float = 2.0,
+    corrections: list[dict[str, Any]] | None = None,
     aggregation: str = "token-mean",
     rejected_in_denominator: bool = True,
     norm_len: int | None = None,
 ) -> PolicyObjective:
-    """Any Table 9 point from config: a policy Term, optionally × one RatioCorrection (is_*)."""
-    corrections = ()
-    if is_ratio is not None:
-        corrections = (RatioCorrection(is_ratio, is_level, is_treatment, is_lo, is_hi),)
+    """Any Table 9 point from config: a policy Term (ratio, level, treatment, bounds) times any
+    corrections, e.g. `corrections=[{kind: ratio, ratio: ti, hi: 2}, {kind: cis}]`: a ratio
+    correction (TIS clamp, MIS mask, IcePop pop), the DPPO-TV mask, CIS weights, STAPO's S2T."""
     return PolicyObjective(
         Term(ratio, level, treatment, lo, hi, c, lam),
-        corrections,
+        tuple(build_correction(x) for x in corrections or ()),
         aggregation=aggregation,
         rejected_in_denominator=rejected_in_denominator,
         norm_len=norm_len,
