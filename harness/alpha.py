@@ -64,6 +64,18 @@ class WeightHistory:
             raise RuntimeError("WeightHistory is empty: push(model) the initial weights first")
         return self._versions[0]
 
+    def state_dict(self) -> dict:
+        """Tensors and plain containers only (checkpoints load with weights_only=True)."""
+        return {"staleness": self.staleness, "versions": list(self._versions)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["staleness"] != self.staleness:
+            raise ValueError(
+                f"checkpoint weight history has staleness {state['staleness']}, the run has "
+                f"alpha.staleness={self.staleness}"
+            )
+        self._versions = deque(state["versions"], maxlen=self.staleness + 1)
+
     def lag(self) -> int:
         """How many optimizer steps the behaviour weights are behind the newest push."""
         return len(self._versions) - 1

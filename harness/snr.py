@@ -447,7 +447,7 @@ def _clamped_ess(lb: LogBuckets, counts, lam: float, lower: float, upper: float)
     keep = counts > 0
     c = counts[keep]
     w = np.clip(np.exp(np.clip(lam * lb.mid()[keep], -50, 50)), lower, upper)
-    return float((w @ c) ** 2 / (c.sum() * ((w * w) @ c)))
+    return ess_from_sums(float(w @ c), float((w * w) @ c), float(c.sum()))
 
 
 def _ess_band(lb: LogBuckets, counts, lam: float, floor: float) -> float:

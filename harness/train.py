@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import pickle
 import random
 import time
 from dataclasses import dataclass
@@ -149,17 +150,34 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def rng_state() -> dict:
+    """The three RNG states as tensors and plain containers (weights_only-loadable)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
     }
 
 
 def set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
+    version, internal, gauss = s["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = s["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint's state, unpickled with weights_only=True: tensors and plain containers
+    only, so a planted file cannot run code; anything else is refused, naming the file."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RuntimeError(
+            f"refusing to load {path}: it holds objects other than tensors and plain containers "
+            "(not a checkpoint this harness wrote; it could run code when unpickled). Delete it "
+            "or move it out of the run directory."
+        ) from e
 
 
 # --- metrics -----------------------------------------------------------------------------------
@@ -311,11 +329,11 @@ def resume(s: Setup, run_dir: Path, metrics_path: Path) -> tuple[int, dict]:
     if ck is None:
         metrics_path.unlink(missing_ok=True)  # a fresh run: never append to a previous log
         return 1, guard
-    state = torch.load(ck, weights_only=False)
+    state = load_checkpoint(ck)
     s.policy.model.load_state_dict(state["model"])
     s.opt.load_state_dict(state["optim"])
     s.objective.load_state_dict(state["objective"])
-    s.history = state["history"]
+    s.history.load_state_dict(state["history"])
     set_rng_state(state["rng"])
     truncate_metrics(metrics_path, state["step"])
     print(f"[train] resumed from {ck} (step {state['step']})", flush=True)
@@ -434,7 +452,7 @@ def checkpoint_state(s: Setup, step: int, guard: dict) -> dict[str, Any]:
         "model": s.policy.model.state_dict(),
         "optim": s.opt.state_dict(),
         "objective": s.objective.state_dict(),
-        "history": s.history,
+        "history": s.history.state_dict(),
         "guard": guard,
         "rng": rng_state(),
     }

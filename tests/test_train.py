@@ -89,7 +89,7 @@ def test_distill_changes_the_student(tmp_path):
         "checkpoint_every=1",
     )
     train.run(cfg)
-    s1 = torch.load(tmp_path / "checkpoints" / "step_2.pt", weights_only=False)["model"]
+    s1 = torch.load(tmp_path / "checkpoints" / "step_2.pt", weights_only=True)["model"]
     from harness.models import load_model
 
     m0, _ = load_model("tiny-llama")
@@ -259,3 +259,31 @@ def test_readme_example_objective_name_and_noise_name(tmp_path):
     no kwargs to leak into cispo (this failed with "unknown argument(s) ['c', 'eps_high', ...]")."""
     cfg = _cfg(tmp_path, "objective.name=cispo", "noise.name=logit", "noise.sigma=0.3", "steps=1")
     assert train.run(cfg)["step"] == 1
+
+
+class _Planted:
+    """A pickle that runs code when unpickled (what an attacker would plant)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_checkpoint_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    torch.save({"step": 99, "x": _Planted(marker)}, tmp_path / "run" / "checkpoints" / "step_99.pt")
+    with pytest.raises(RuntimeError, match=r"refusing to load .*step_99\.pt"):
+        train.run(_cfg(tmp_path / "run", "steps=1"))
+    assert not marker.exists()
+
+
+def test_checkpoints_hold_only_tensors_and_plain_containers(tmp_path):
+    train.run(_cfg(tmp_path, "steps=2", "alpha.staleness=1", "checkpoint_every=1"))
+    state = torch.load(tmp_path / "checkpoints" / "step_2.pt", weights_only=True)
+    assert set(state) == {"step", "model", "optim", "objective", "history", "guard", "rng"}
+    assert state["history"]["staleness"] == 1 and len(state["history"]["versions"]) == 2
