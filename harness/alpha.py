@@ -76,6 +76,10 @@ class WeightHistory:
             )
         self._versions = deque(state["versions"], maxlen=self.staleness + 1)
 
+    def newest(self) -> dict[str, Tensor]:
+        """The weights after the latest push (the last finite state the loop kept)."""
+        return self._versions[-1]
+
     def lag(self) -> int:
         """How many optimizer steps the behaviour weights are behind the newest push."""
         return len(self._versions) - 1

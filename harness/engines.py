@@ -189,6 +189,11 @@ class Engine:
                 if plain
                 else process_logits(logits, temperature, top_k, top_p)
             )
+            if bool(torch.isnan(logp).any()) or not bool(torch.isfinite(logp).any(-1).all()):
+                raise FloatingPointError(
+                    f"sampler: non-finite next-token distribution at decode step {step} (NaN or "
+                    "no finite logit): the weights or the noise produced NaN/inf; not sampling"
+                )
             tok = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
             tok = torch.where(done, self.pad_id, tok)
             toks.append(tok)

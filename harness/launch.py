@@ -158,6 +158,12 @@ def _check_node(table: dict[str, Callable], node: Any, what: str) -> None:
     if what == "noise" and name == "none":
         return
     fn = lookup(table, name, what)
+    missing = [k for k, v in d.items() if v == "???"]
+    if missing:
+        raise ValueError(
+            f"{what}.{missing[0]} must be set: {what} {name!r} has no default for it "
+            f"(e.g. {what}.{missing[0]}=<value> on the command line)"
+        )
     check_kwargs(fn, d, f"{what} {name!r}")
     params = inspect.signature(fn).parameters
     bad = {k: v for k, v in d.items() if k in params and not _type_ok(v, params[k].annotation)}

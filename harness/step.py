@@ -90,8 +90,12 @@ def collect(
     return batch, ro, rewards
 
 
-def optimizer_step(model: torch.nn.Module, loss: Tensor, opt, grad_clip: float) -> float | None:
-    """backward, clip, step; None (and no step) when the loss or the gradient is non-finite."""
+def optimizer_step(
+    model: torch.nn.Module, loss: Tensor, opt, grad_clip: float, restore=None
+) -> float | None:
+    """backward, clip, step; None (and no step) when the loss or the gradient is non-finite, or
+    when the step made a weight non-finite: then `restore()` puts the previous weights back
+    (the optimizer's moments keep this step's finite gradient)."""
     opt.zero_grad(set_to_none=True)
     if not torch.isfinite(loss):
         return None
@@ -101,6 +105,9 @@ def optimizer_step(model: torch.nn.Module, loss: Tensor, opt, grad_clip: float) 
         opt.zero_grad(set_to_none=True)
         return None
     opt.step()
+    if restore is not None and not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        restore()
+        return None
     return float(gnorm)
 
 
@@ -116,13 +123,15 @@ def update(
     mask_replay: bool = True,
     calibrate: bool = False,
     on_step: Callable[[], None] | None = None,
+    restore: Callable[[], None] | None = None,
 ) -> tuple[TokenBatch, list[dict[str, float]], int]:
     """One optimizer step per (rows, lag) minibatch of `schedule`, in order. `batch.logp_old`
     None: π_old := the first pass's detached π_θ (one minibatch only). `calibrate`: the first
     minibatch feeds the objective's calibration first (calibrated clipping: the trainer
     recompute `logp_recompute` is its high-precision π_old, `logp_old` the low-precision one).
-    `on_step()` runs after each optimizer step (the loop's weight history). Returns (the batch
-    with π_old, per-minibatch metrics, number of minibatches skipped as non-finite)."""
+    `on_step()` runs after each optimizer step (the loop's weight history); `restore()` after a
+    step that made a weight non-finite (see `optimizer_step`). Returns (the batch with π_old,
+    per-minibatch metrics, number of minibatches skipped as non-finite)."""
     if batch.logp_old is None and len(schedule) != 1:
         raise ValueError("π_old from the training pass needs exactly one minibatch")
     metrics: list[dict[str, float]] = []
@@ -147,7 +156,7 @@ def update(
                 )  # fmt: skip
             )
         res = objective(logp, mb)
-        gnorm = optimizer_step(policy.model, res.loss, opt, grad_clip)
+        gnorm = optimizer_step(policy.model, res.loss, opt, grad_clip, restore)
         if gnorm is None:
             skipped += 1
             continue
@@ -192,6 +201,7 @@ def update_distill(
     teacher_mask: Tensor,
     extra_metrics: Callable[[Tensor, Tensor, Tensor], dict[str, Any]] | None = None,
     on_step: Callable[[], None] | None = None,
+    restore: Callable[[], None] | None = None,
 ) -> tuple[list[dict[str, float]], int]:
     """OPSD: the student minimises `objective(student_logits, teacher_logits, mask)` on its own
     samples, one optimizer step per minibatch; `extra_metrics(s_logits, t_logits, rows)` adds
@@ -206,7 +216,7 @@ def update_distill(
         res = objective(s, t, batch.mask[rows])
         if extra_metrics is not None:
             res.metrics.update(extra_metrics(s, t, rows))
-        gnorm = optimizer_step(student.model, res.loss, opt, grad_clip)
+        gnorm = optimizer_step(student.model, res.loss, opt, grad_clip, restore)
         if gnorm is None:
             skipped += 1
             continue

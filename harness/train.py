@@ -43,8 +43,8 @@ from harness.batch import TokenBatch
 from harness.diagnostics import bin_means, dials, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_text_atomic
-from harness.launch import AGGREGATION_KEYS, run_task, update_meta
-from harness.models import load_model, resolve_dtype, upcycle_to_moe
+from harness.launch import AGGREGATION_KEYS, check_nodes, run_task, update_meta
+from harness.models import BUILTIN_SPECS, DTYPES, load_model, resolve_dtype, upcycle_to_moe
 from harness.noise import build_noise
 from harness.objectives import build_objective
 from harness.registry import build
@@ -228,28 +228,76 @@ def check_collapse(guard: dict, m: dict, g) -> dict[str, float]:
 @torch.no_grad()
 def evaluate(engine: Engine, task: Task, problems, cfg: DictConfig) -> float:
     """Accuracy on the held-out split: one sample per problem at the rollout temperature, from
-    the trainer's current weights (clean numerics), fixed seed."""
-    ro = engine.generate(
-        [p.prompt for p in problems],
-        n=1,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        seed=cfg.seed,
-    )
+    the trainer's current weights (clean numerics), fixed seed; nan when the weights give a
+    non-finite distribution (the next rollout then aborts the run)."""
+    try:
+        ro = engine.generate(
+            [p.prompt for p in problems],
+            n=1,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            seed=cfg.seed,
+        )
+    except FloatingPointError as e:
+        print(f"[train] eval skipped: {e}", flush=True)
+        return float("nan")
     return float(task.rollout_rewards(problems, ro, engine.tokenizer).mean())
 
 
 # --- the loop ----------------------------------------------------------------------------------
 
 
+ATTENTIONS = ("sdpa", "eager")
+
+
 def validate(cfg: DictConfig) -> None:
-    """Checks that need no model: each error names the key, the bad value and what is valid."""
+    """Every check that needs no model, run before anything is built or warm-started: each error
+    names the key, the bad value and what is valid."""
+
+    def bad(key: str, value: Any, valid: str) -> ValueError:
+        return ValueError(f"{key}={value!r}; valid: {valid}")
+
     for key, value, valid in [
         ("engine.logp_old_source", cfg.engine.logp_old_source, ("trainer", "sampler")),
         ("advantage", cfg.advantage, ADVANTAGES),
+        ("engine.sampler_attention", cfg.engine.sampler_attention, ATTENTIONS),
+        ("engine.sampler_dtype", cfg.engine.sampler_dtype, tuple(DTYPES)),
+        ("engine.trainer_dtype", cfg.engine.trainer_dtype, tuple(DTYPES)),
     ]:
         if value not in valid:
-            raise ValueError(f"{key}={value!r}; valid: {', '.join(map(repr, valid))}")
+            raise bad(key, value, ", ".join(map(repr, valid)))
+    r, a = cfg.rollout, cfg.alpha
+    checks = [
+        ("rollout.temperature", r.temperature, r.temperature > 0, "> 0 (greedy is not a sampler)"),
+        ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "in (0, 1]"),
+        ("rollout.top_k", r.top_k, r.top_k >= 0, ">= 0 (0 = off)"),
+        ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
+        ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
+        ("rollout.group_size", r.group_size, r.group_size >= 2,
+         ">= 2 (group-normalised advantages of a single response are 0: nothing would train)"),
+        ("alpha.staleness", a.staleness, a.staleness >= 0, ">= 0"),
+        ("alpha.minibatches", a.minibatches,
+         1 <= a.minibatches <= r.prompts_per_step * r.group_size,
+         f"in [1, rollout.prompts_per_step × rollout.group_size = "
+         f"{r.prompts_per_step * r.group_size}]"),
+        ("steps", cfg.steps, cfg.steps >= 1, ">= 1"),
+        ("checkpoint_every", cfg.checkpoint_every, cfg.checkpoint_every >= 1, ">= 1"),
+        ("keep_checkpoints", cfg.keep_checkpoints, cfg.keep_checkpoints >= 1, ">= 1"),
+        ("eval_n", cfg.eval_n, cfg.eval_n >= 1 or not cfg.eval_every, ">= 1 when eval_every > 0"),
+        ("optim.lr", cfg.optim.lr, cfg.optim.lr > 0, "> 0"),
+    ]  # fmt: skip
+    for key, value, ok, valid in checks:
+        if not ok:
+            raise bad(key, value, valid)
+    check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
+    spec = cfg.model.spec
+    if spec == "task-model":
+        from harness.warmstart import resolve_recipe
+
+        resolve_recipe(cfg.task.name, **OmegaConf.to_container(cfg.model.warmstart, resolve=True))
+    elif spec not in BUILTIN_SPECS and not Path(spec).is_dir() and "/" not in spec:
+        raise bad("model.spec", spec, f"task-model, {', '.join(BUILTIN_SPECS)}, a local HF folder "
+                  "or a Hugging Face hub id (org/name)")  # fmt: skip
     obj = cfg.objective.name
     misplaced = sorted({"aggregation", *AGGREGATION_KEYS} & set(cfg.objective))
     if misplaced:
@@ -399,27 +447,35 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if s.old_policy is not None and s.old_policy is not s.policy:
             s.old_policy.load_weights_from_state(s.history.behaviour())
         reward = partial(s.task.rollout_rewards, problems, tokenizer=s.tok)
-        batch, ro, rewards = collect(
-            s.sampler, s.old_policy, [p.prompt for p in problems], reward, sampling, seed=seed,
-            advantage=cfg.advantage, logp_old_source=cfg.engine.logp_old_source,
-            mask_replay=cfg.engine.mask_replay,
-        )  # fmt: skip
+        try:
+            batch, ro, rewards = collect(
+                s.sampler, s.old_policy, [p.prompt for p in problems], reward, sampling,
+                seed=seed, advantage=cfg.advantage, logp_old_source=cfg.engine.logp_old_source,
+                mask_replay=cfg.engine.mask_replay,
+            )  # fmt: skip
+        except FloatingPointError as e:
+            raise TrainingAborted(
+                f"step {step}: {e}. The weights diverged (finite but huge) after step {step - 1}; "
+                f"the checkpoints in {run_dir}/checkpoints hold earlier steps. Lower optim.lr."
+            ) from e
         schedule = minibatch_schedule(
             len(rewards), cfg.alpha.minibatches, cfg.alpha.staleness, seed=step
         )
         push = lambda: s.history.push(s.policy.model)  # noqa: E731
+        restore = lambda: s.policy.model.load_state_dict(s.history.newest())  # noqa: E731
         reps = repetition_reports(ro)
         if s.teacher is not None:
             t_ids, t_mask, exit_metrics = distill_inputs(cfg, s, problems, reps)
             updates, skipped = update_distill(
                 s.policy, s.teacher, s.objective, batch, ro, schedule, s.opt,
-                cfg.optim.grad_clip, t_ids, t_mask, exit_metrics, on_step=push,
+                cfg.optim.grad_clip, t_ids, t_mask, exit_metrics, on_step=push, restore=restore,
             )  # fmt: skip
         else:
             calibrate = calibrated and (step - 1) % s.objective.calibrate_every == 0
             batch, updates, skipped = update(
                 s.policy, s.objective, batch, ro, schedule, s.opt, cfg.optim.grad_clip,
                 mask_replay=cfg.engine.mask_replay, calibrate=calibrate, on_step=push,
+                restore=restore,
             )  # fmt: skip
         nonfinite_run = nonfinite_run + 1 if skipped and not updates else 0
         s.sampler.load_weights_from_state(s.history.behaviour())  # staleness: k steps old
@@ -437,9 +493,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             save_checkpoint(run_dir, step, checkpoint_state(s, step, guard), cfg.keep_checkpoints)
         if aborting:
             raise TrainingAborted(
-                f"{nonfinite_run} consecutive steps with non-finite loss or gradient (limit "
-                f"guard.max_nonfinite={cfg.guard.max_nonfinite}); state saved at step {step} in "
-                f"{run_dir}/checkpoints. Lower the learning rate or check the objective's bounds."
+                f"{nonfinite_run} consecutive steps with a non-finite loss, gradient or weights "
+                f"(limit guard.max_nonfinite={cfg.guard.max_nonfinite}); state saved at step "
+                f"{step} in {run_dir}/checkpoints. Lower the learning rate or check the "
+                "objective's bounds."
             )
     update_meta(run_dir, last_step=cfg.steps)
     s.sampler.close()

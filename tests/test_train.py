@@ -287,3 +287,70 @@ def test_checkpoints_hold_only_tensors_and_plain_containers(tmp_path):
     state = torch.load(tmp_path / "checkpoints" / "step_2.pt", weights_only=True)
     assert set(state) == {"step", "model", "optim", "objective", "history", "guard", "rng"}
     assert state["history"]["staleness"] == 1 and len(state["history"]["versions"]) == 2
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("rollout.top_k=-1", "rollout.top_k"),
+        ("rollout.max_new_tokens=0", "rollout.max_new_tokens"),
+        ("rollout.group_size=1", "rollout.group_size"),
+        ("alpha.minibatches=0", "alpha.minibatches"),
+        ("alpha.minibatches=999", "alpha.minibatches"),
+        ("alpha.staleness=-1", "alpha.staleness"),
+        ("engine.sampler_dtype=fp64", "engine.sampler_dtype"),
+        ("engine.trainer_dtype=int8", "engine.trainer_dtype"),
+        ("engine.sampler_attention=flash", "engine.sampler_attention"),
+        ("optim.lr=0", "optim.lr"),
+        ("model.spec=smollm3", "model.spec"),
+        ("task=jsonl", "task.path"),
+        ("objective.eps_hgh=0.3", "eps_hgh"),
+    ],
+)
+def test_every_check_runs_before_any_model_is_built(tmp_path, monkeypatch, override, key):
+    """Each bad value fails in < 5 s naming its key, before a model is built or warm-started
+    (the task-model default would start a build on an empty cache)."""
+    import time
+
+    def no_build(cfg):
+        raise AssertionError("a model was built before the config was checked")
+
+    monkeypatch.setattr(train, "build_task_and_model", no_build)
+    cfg = _cfg(tmp_path, "model=task-model", override, "steps=1")
+    t0 = time.time()
+    with pytest.raises((ValueError, TypeError, KeyError)) as e:
+        train.run(cfg)
+    assert key in str(e.value) and time.time() - t0 < 5
+
+
+def test_nonfinite_weights_roll_back_and_abort_with_a_finite_checkpoint(
+    tmp_path, alternating_reward
+):
+    """optim.lr=1e39 (inf in fp32) makes every update's weights non-finite: each step rolls the
+    weights back, K in a row save and abort; the checkpoint holds finite weights."""
+    cfg = _cfg(tmp_path, "optim.lr=1e39", "steps=10", "guard.max_nonfinite=2")
+    with pytest.raises(train.TrainingAborted, match="2 consecutive steps"):
+        train.run(cfg)
+    rows = _metrics(tmp_path)
+    assert [r["guard/nonfinite_skipped"] for r in rows] == [1, 1]
+    state = torch.load(tmp_path / "checkpoints" / "step_2.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_diverged_finite_weights_abort_cleanly(tmp_path, alternating_reward):
+    """optim.lr=1e30: finite but huge weights; the next rollout's logits are NaN. This died with
+    a raw RuntimeError inside torch.multinomial; now the sampler refuses and the run aborts."""
+    with pytest.raises(train.TrainingAborted, match="non-finite next-token distribution"):
+        train.run(_cfg(tmp_path, "optim.lr=1e30", "steps=5"))
+
+
+def test_sampler_refuses_a_nonfinite_distribution(tiny_llama):
+    from harness.engines import Engine
+
+    model, tok = tiny_llama
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="non-finite next-token distribution"):
+        Engine(model, tok).generate(["1+1="], n=2, max_new_tokens=3)
