@@ -98,6 +98,10 @@ class TrainConfig:
     # staleness 0, one minibatch: reuse the training pass as π_old instead of a separate
     # recompute (identical values; one forward fewer per step). False forces the recompute.
     reuse_old_logp: bool = True
+    # rerunning in a run directory whose config.yaml differs (steps aside): "strict" fails
+    # before compute and lists the keys; "override" applies the new values to the restored run
+    # (optimizer settings included) and records them in meta.json
+    resume: str = "strict"
 
 
 # The swept-axis nodes and the warm-start recipe are open: their keys are the builders' keyword

@@ -112,13 +112,13 @@ def slurm_ids() -> dict[str, str] | None:
 def update_meta(run: str | Path, **fields: Any) -> dict[str, Any]:
     """Merge `fields` into `<run>/meta.json` (atomic); returns the merged record."""
     path = Path(run) / "meta.json"
-    meta = _read_json(path)
+    meta = read_json(path)
     meta.update(fields)
     write_json_atomic(path, meta)
     return meta
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -242,7 +242,7 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
         "pid": os.getpid(),
         "slurm": slurm_ids(),
     }
-    previous = _read_json(run / "meta.json").get("attempts", [])
+    previous = read_json(run / "meta.json").get("attempts", [])
     meta = {
         **attempt,
         "run_dir": str(run),
@@ -293,7 +293,7 @@ def _job_label(ids: dict[str, str]) -> str:
 
 def _finish(run: Path, attempt: dict, status: str, t0: float, error: str | None = None) -> None:
     attempt.update(end_time=_now(), status=status)
-    meta = _read_json(run / "meta.json")  # the task may have written its own keys meanwhile
+    meta = read_json(run / "meta.json")  # the task may have written its own keys meanwhile
     attempts = meta.get("attempts") or [attempt]
     attempts[-1] = attempt
     update_meta(
@@ -358,7 +358,7 @@ class SlurmGuard(Callback):
             return
         bad = []
         for meta_path in sorted(Path(self._sweep_dir).glob("**/meta.json")):
-            m = _read_json(meta_path)
+            m = read_json(meta_path)
             if m.get("status") != "completed" and meta_path.stat().st_mtime >= self._t0 - 1:
                 job = _job_label(m["slurm"]) if m.get("slurm") else "-"
                 line = f"  {meta_path.parent}  status={m.get('status')}  slurm job {job}"

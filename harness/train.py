@@ -43,7 +43,7 @@ from harness.batch import TokenBatch
 from harness.diagnostics import bin_means, dials, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_text_atomic
-from harness.launch import AGGREGATION_KEYS, check_nodes, run_task, update_meta
+from harness.launch import AGGREGATION_KEYS, check_nodes, read_json, run_task, update_meta
 from harness.models import BUILTIN_SPECS, DTYPES, load_model, resolve_dtype, upcycle_to_moe
 from harness.noise import build_noise
 from harness.objectives import build_objective
@@ -122,31 +122,46 @@ def copy_exit_mass(s_logits, t_logits, reports: list[dict]) -> dict[str, float]:
 # --- checkpoints -------------------------------------------------------------------------------
 
 
-def latest_checkpoint(run: Path) -> Path | None:
-    cks = sorted((run / "checkpoints").glob("step_*.pt"), key=lambda p: int(p.stem[5:]))
-    return cks[-1] if cks else None
+def checkpoints(run: Path) -> list[Path]:
+    """The run's regular checkpoints, newest first (abort checkpoints are not among them)."""
+    return sorted((run / "checkpoints").glob("step_*.pt"), key=lambda p: -int(p.stem[5:]))
 
 
-def save_checkpoint(run: Path, step: int, state: dict, keep: int) -> Path:
+def save_checkpoint(run: Path, step: int, state: dict, keep: int, aborted: bool = False) -> Path:
+    """Atomic (temp file + rename). Regular checkpoints are known good (saved only after a
+    finite step) and rotate, `keep` of them; an abort checkpoint (`abort_step_N.pt`) records the
+    state at the abort for inspection and is never resumed from."""
     d = run / "checkpoints"
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".step_{step}.pt.tmp"
+    name = f"{'abort_' if aborted else ''}step_{step}.pt"
+    tmp = d / f".{name}.tmp"
     torch.save(state, tmp)
-    dest = d / f"step_{step}.pt"
-    tmp.replace(dest)  # atomic: a crash leaves at most a .tmp file, never a torn checkpoint
-    for old in sorted(d.glob("step_*.pt"), key=lambda p: int(p.stem[5:]))[:-keep]:
-        old.unlink()
+    dest = d / name
+    tmp.replace(dest)  # a crash leaves at most a .tmp file, never a torn checkpoint
+    if not aborted:
+        for old in checkpoints(run)[keep:]:
+            old.unlink()
     return dest
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The metric lines of a run; a torn line (a crash mid-write) is dropped with a warning."""
+    rows = []
+    for i, ln in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
+        if not ln.strip():
+            continue
+        try:
+            rows.append(json.loads(ln))
+        except json.JSONDecodeError:
+            print(f"[train] warning: {path}:{i} is not a complete JSON line; dropped", flush=True)
+    return rows
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
     """On resume, drop metric lines written after the checkpoint (they will be recomputed)."""
-    if not path.exists():
-        return
-    keep = [
-        ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= last_step
-    ]
-    write_text_atomic(path, "".join(ln + "\n" for ln in keep))
+    if path.exists():
+        keep = [r for r in read_metrics(path) if r.get("step", math.inf) <= last_step]
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def rng_state() -> dict:
@@ -167,13 +182,17 @@ def set_rng_state(s: dict) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
+class RefusedCheckpoint(RuntimeError):
+    pass
+
+
 def load_checkpoint(path: Path) -> dict:
     """A checkpoint's state, unpickled with weights_only=True: tensors and plain containers
     only, so a planted file cannot run code; anything else is refused, naming the file."""
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise RuntimeError(
+        raise RefusedCheckpoint(
             f"refusing to load {path}: it holds objects other than tensors and plain containers "
             "(not a checkpoint this harness wrote; it could run code when unpickled). Delete it "
             "or move it out of the run directory."
@@ -263,6 +282,7 @@ def validate(cfg: DictConfig) -> None:
         ("engine.sampler_attention", cfg.engine.sampler_attention, ATTENTIONS),
         ("engine.sampler_dtype", cfg.engine.sampler_dtype, tuple(DTYPES)),
         ("engine.trainer_dtype", cfg.engine.trainer_dtype, tuple(DTYPES)),
+        ("resume", cfg.resume, ("strict", "override")),
     ]:
         if value not in valid:
             raise bad(key, value, ", ".join(map(repr, valid)))
@@ -370,22 +390,68 @@ def build_setup(cfg: DictConfig) -> Setup:
     )  # fmt: skip
 
 
-def resume(s: Setup, run_dir: Path, metrics_path: Path) -> tuple[int, dict]:
-    """(first step, guard state): from the latest checkpoint, else a fresh start."""
+def resume(s: Setup, run_dir: Path, metrics_path: Path, cfg: DictConfig) -> tuple[int, dict]:
+    """(first step, guard state): from the newest checkpoint that loads (a damaged one is named
+    in a warning and skipped), else a fresh start. The config's optimizer settings are applied
+    to the restored optimizer (they equal the checkpoint's unless `resume=override`)."""
     guard = {"entropy0": [], "best_reward": -math.inf, "events": 0}
-    ck = latest_checkpoint(run_dir)
-    if ck is None:
-        metrics_path.unlink(missing_ok=True)  # a fresh run: never append to a previous log
-        return 1, guard
-    state = load_checkpoint(ck)
-    s.policy.model.load_state_dict(state["model"])
-    s.opt.load_state_dict(state["optim"])
-    s.objective.load_state_dict(state["objective"])
-    s.history.load_state_dict(state["history"])
-    set_rng_state(state["rng"])
-    truncate_metrics(metrics_path, state["step"])
-    print(f"[train] resumed from {ck} (step {state['step']})", flush=True)
-    return state["step"] + 1, state["guard"]
+    for ck in checkpoints(run_dir):
+        try:
+            state = load_checkpoint(ck)
+        except RefusedCheckpoint:
+            raise
+        except Exception as e:  # truncated or corrupt: the previous one is still good
+            print(f"[train] warning: checkpoint {ck} is damaged ({type(e).__name__}: "
+                  f"{str(e)[:120]}); trying the previous one", flush=True)  # fmt: skip
+            continue
+        s.policy.model.load_state_dict(state["model"])
+        s.opt.load_state_dict(state["optim"])
+        for group in s.opt.param_groups:
+            group.update(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                         weight_decay=cfg.optim.weight_decay)  # fmt: skip
+        s.objective.load_state_dict(state["objective"])
+        s.history.load_state_dict(state["history"])
+        set_rng_state(state["rng"])
+        truncate_metrics(metrics_path, state["step"])
+        print(f"[train] resumed from {ck} (step {state['step']})", flush=True)
+        return state["step"] + 1, state["guard"]
+    metrics_path.unlink(missing_ok=True)  # a fresh run: never append to a previous log
+    return 1, guard
+
+
+RESUME_FREE = {"steps", "progress", "out", "resume"}  # may change between attempts
+
+
+def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
+    """The run directory's config.yaml is the contract: the keys a rerun changes, {key: [old,
+    new]}; raises before any compute when some differ and `resume` is not "override"."""
+    path = run_dir / "config.yaml"
+    if not path.exists() or not checkpoints(run_dir):
+        return {}
+    old = flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+    new = flatten(OmegaConf.to_container(cfg, resolve=True))
+    changed = {
+        k: [old.get(k), new.get(k)]
+        for k in sorted(set(old) | set(new))
+        if k.split(".")[0] not in RESUME_FREE and old.get(k) != new.get(k)
+    }
+    if changed and cfg.resume != "override":
+        listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(
+            f"{run_dir} holds a run with a different config ({listing}). Resuming would mix "
+            "two configs. Rerun with resume=override to apply the new values to the restored "
+            "run (recorded in meta.json), or use a new out= directory."
+        )
+    return changed
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def repetition_reports(ro: Rollout) -> list[dict]:
@@ -425,13 +491,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     validate(cfg)
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
+    changed = config_contract(run_dir, cfg)
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     s = build_setup(cfg)
     update_meta(run_dir, model=s.identity)
     metrics_path = run_dir / "metrics.jsonl"
-    start, guard = resume(s, run_dir, metrics_path)
+    start, guard = resume(s, run_dir, metrics_path, cfg)
+    if changed:
+        history = read_json(run_dir / "meta.json").get("config_overrides", [])
+        update_meta(run_dir, config_overrides=[*history, {"from_step": start, "changed": changed}])
     s.sampler.load_weights_from_state(s.history.behaviour())
     update_meta(run_dir, resumed_from_step=start - 1)
     eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.seed)
@@ -489,14 +559,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         shown = {"reward": "reward/mean", "entropy": "entropy/mean", "eval": "eval/acc"}
         bar.set_postfix({k: round(m[v], 3) for k, v in shown.items() if v in m})
         aborting = nonfinite_run >= cfg.guard.max_nonfinite
-        if aborting or step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            save_checkpoint(run_dir, step, checkpoint_state(s, step, guard), cfg.keep_checkpoints)
+        if aborting or (
+            nonfinite_run == 0 and (step % cfg.checkpoint_every == 0 or step == cfg.steps)
+        ):
+            state = checkpoint_state(s, step, guard)
+            save_checkpoint(run_dir, step, state, cfg.keep_checkpoints, aborted=aborting)
         if aborting:
             raise TrainingAborted(
                 f"{nonfinite_run} consecutive steps with a non-finite loss, gradient or weights "
-                f"(limit guard.max_nonfinite={cfg.guard.max_nonfinite}); state saved at step "
-                f"{step} in {run_dir}/checkpoints. Lower the learning rate or check the "
-                "objective's bounds."
+                f"(limit guard.max_nonfinite={cfg.guard.max_nonfinite}); the state at the abort is "
+                f"{run_dir}/checkpoints/abort_step_{step}.pt; a rerun resumes from the last "
+                "known-good checkpoint. Lower the learning rate (resume=override optim.lr=...) "
+                "or check the objective's bounds."
             )
     update_meta(run_dir, last_step=cfg.steps)
     s.sampler.close()

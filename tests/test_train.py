@@ -145,7 +145,8 @@ def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "steps=10", "guard.max_nonfinite=3", "checkpoint_every=100")
     with pytest.raises(train.TrainingAborted, match="3 consecutive steps"):
         train.run(cfg)
-    assert (tmp_path / "checkpoints" / "step_3.pt").exists()
+    assert (tmp_path / "checkpoints" / "abort_step_3.pt").exists()
+    assert not list((tmp_path / "checkpoints").glob("step_*.pt"))  # no known-good state yet
     assert [r["guard/nonfinite_skipped"] for r in _metrics(tmp_path)] == [1, 1, 1]
 
 
@@ -335,7 +336,7 @@ def test_nonfinite_weights_roll_back_and_abort_with_a_finite_checkpoint(
         train.run(cfg)
     rows = _metrics(tmp_path)
     assert [r["guard/nonfinite_skipped"] for r in rows] == [1, 1]
-    state = torch.load(tmp_path / "checkpoints" / "step_2.pt", weights_only=True)
+    state = torch.load(tmp_path / "checkpoints" / "abort_step_2.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
@@ -354,3 +355,68 @@ def test_sampler_refuses_a_nonfinite_distribution(tiny_llama):
         model.lm_head.weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="non-finite next-token distribution"):
         Engine(model, tok).generate(["1+1="], n=2, max_new_tokens=3)
+
+
+def test_rerun_with_a_different_config_fails_before_compute_and_lists_the_keys(tmp_path):
+    train.run(_cfg(tmp_path, "steps=2", "optim.lr=1e-3"))
+    with pytest.raises(ValueError, match=r"optim.lr: 0.001 -> 0.0001.*resume=override"):
+        train.run(_cfg(tmp_path, "steps=4", "optim.lr=1e-4"))
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]  # nothing was lost or appended
+    train.run(_cfg(tmp_path, "steps=3", "optim.lr=1e-3"))  # steps may change: extend the run
+
+
+def test_resume_override_applies_the_new_learning_rate_and_records_it(tmp_path):
+    train.run(_cfg(tmp_path, "steps=2", "optim.lr=1e-3", "checkpoint_every=1"))
+    train.run(_cfg(tmp_path, "steps=3", "optim.lr=1e-4", "checkpoint_every=1", "resume=override"))
+    state = torch.load(tmp_path / "checkpoints" / "step_3.pt", weights_only=True)
+    assert [g["lr"] for g in state["optim"]["param_groups"]] == [1e-4]
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["config_overrides"] == [{"from_step": 3, "changed": {"optim.lr": [1e-3, 1e-4]}}]
+
+
+def test_resume_after_a_nonfinite_abort_starts_from_the_last_good_checkpoint(
+    tmp_path, alternating_reward, monkeypatch
+):
+    """Steps 1–2 train, then every loss is NaN: the abort checkpoint (step 4) is not resumed
+    from; the rerun with a fixed config restarts from the known-good step 2."""
+    from harness.objectives.core import ObjectiveOutput, PolicyObjective
+
+    real = PolicyObjective.__call__
+    calls = {"n": 0}
+
+    def nan_after_two(self, logp, batch):
+        out = real(self, logp, batch)
+        calls["n"] += 1
+        return ObjectiveOutput(out.loss * (float("nan") if calls["n"] > 2 else 1.0), out.metrics)
+
+    monkeypatch.setattr(PolicyObjective, "__call__", nan_after_two)
+    cfg = _cfg(tmp_path, "steps=6", "checkpoint_every=1", "guard.max_nonfinite=2")
+    with pytest.raises(train.TrainingAborted, match="abort_step_4.pt"):
+        train.run(cfg)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == [
+        "abort_step_4.pt", "step_1.pt", "step_2.pt"
+    ]  # fmt: skip
+    monkeypatch.setattr(PolicyObjective, "__call__", real)
+    train.run(_cfg(tmp_path, "steps=6", "checkpoint_every=1", "guard.max_nonfinite=2"))
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["guard/nonfinite_skipped"] == 0 for r in rows)
+
+
+def test_a_damaged_latest_checkpoint_falls_back_and_a_torn_metrics_line_is_dropped(
+    tmp_path, capsys
+):
+    common = ["checkpoint_every=1", "keep_checkpoints=2"]
+    train.run(_cfg(tmp_path / "full", "steps=3", *common))
+    part = tmp_path / "part"
+    train.run(_cfg(part, "steps=2", *common))
+    ck = part / "checkpoints" / "step_2.pt"
+    ck.write_bytes(ck.read_bytes()[: ck.stat().st_size // 2])  # torn by a crash mid-copy
+    with (part / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "reward/me')  # killed mid-write
+    train.run(_cfg(part, "steps=3", *common))
+    out = capsys.readouterr().out
+    assert f"checkpoint {ck} is damaged" in out and "not a complete JSON line" in out
+    drop = {"time/step_s"}
+    clean = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
+    assert clean(_metrics(part)) == clean(_metrics(tmp_path / "full"))
