@@ -8,6 +8,7 @@ time.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,21 @@ class TrainConfig:
     # (optimizer settings included) and records them in meta.json
     resume: str = "strict"
 
+
+RUN_NAME_MAX = 80  # characters of an override-derived directory name before it is hashed
+
+
+def run_name(override_dirname: str) -> str:
+    """A run directory's name from Hydra's override_dirname: as is when short, else a readable
+    prefix and 10 hex digits of its sha256 (long override lists overflowed the 255-byte name
+    limit). Used as `${run_name:${hydra.job.override_dirname}}` in the job configs."""
+    if len(override_dirname) <= RUN_NAME_MAX:
+        return override_dirname
+    digest = hashlib.sha256(override_dirname.encode()).hexdigest()[:10]
+    return f"{override_dirname[: RUN_NAME_MAX - 11]}-{digest}"
+
+
+OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 
 # The swept-axis nodes and the warm-start recipe are open: their keys are the builders' keyword
 # arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked

@@ -243,6 +243,8 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
         "slurm": slurm_ids(),
     }
     previous = read_json(run / "meta.json").get("attempts", [])
+    if previous and "status" not in previous[-1]:  # it never finished: killed (SIGKILL, OOM)
+        previous[-1] = {**previous[-1], "status": "lost", "end_time": None}
     meta = {
         **attempt,
         "run_dir": str(run),
@@ -266,8 +268,11 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     except Exception as e:
         tb = traceback.format_exc()
         (run / "traceback.txt").write_text(tb)
-        note = f"[launch] task failed in {where}; traceback (also in {run}/traceback.txt):\n{tb}"
-        print(note, file=sys.stderr, flush=True)
+        # Hydra prints the exception with its notes once; under Slurm the driver receives it
+        # without its traceback (submitit pickles it), so the note carries the traceback there
+        note = f"[launch] task failed in {where}; traceback in {run}/traceback.txt"
+        if attempt["slurm"]:
+            note += f":\n{tb}"
         _finish(run, attempt, "failed", t0, error=f"{type(e).__name__}: {e}")
         _attach(e, note)
         raise

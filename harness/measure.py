@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import subprocess
 import time
 from functools import partial
 from pathlib import Path
@@ -38,6 +39,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness import config as _config  # noqa: F401  (registers the run_name resolver)
 from harness.alpha import minibatch_schedule, perturb_weights_
 from harness.batch import TokenBatch
 from harness.diagnostics import CONF_EDGES, bin_index, identity_check
@@ -336,6 +338,37 @@ def draw_figures(out: Path) -> list[Path]:
 # --- the job ------------------------------------------------------------------------------------
 
 
+def tracked_files(folder: Path) -> list[str]:
+    """Files under `folder` that git tracks (committed results); [] outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "--", str(folder)], cwd=folder.parent if folder.parent.exists()
+            else None, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def explicit_out() -> bool:
+    """True unless Hydra composed `out` from its default (no `out=` on the command line)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return True  # called from code with a composed config: the caller chose `out`
+    return any(o.split("=", 1)[0].lstrip("+") == "out" for o in HydraConfig.get().overrides.task)
+
+
+def guard_committed(cfg: DictConfig) -> None:
+    """Refuse, before anything is written, to overwrite committed results by default."""
+    out = Path(cfg.out)
+    if not cfg.force and not explicit_out() and (tracked := tracked_files(out.absolute())):
+        raise FileExistsError(
+            f"{out} holds {len(tracked)} committed result file(s) (e.g. {tracked[0]}); "
+            "refusing to overwrite them. Rerun with force=true to regenerate them, or out=<dir>."
+        )
+
+
 def run(cfg: DictConfig) -> dict:
     t_start = time.time()
     timings: dict[str, float] = {}
@@ -494,6 +527,7 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
 
 @hydra.main(config_path=CONFIGS, config_name="measure", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    guard_committed(cfg)  # before run_task records meta.json in the run folder
     print(OmegaConf.to_yaml(cfg))
     return run_task(run, cfg)
 

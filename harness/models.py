@@ -189,12 +189,20 @@ def load_model(
         else:
             raise ValueError(
                 f"unknown model spec {spec!r}; valid: {', '.join(BUILTIN_SPECS)}, a local HF "
-                "folder, or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct"
+                "folder, or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct (and, in "
+                "harness.train, task-model: the shipped task models)"
             )
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=attn_implementation
-        )
-        tok = AutoTokenizer.from_pretrained(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation=attn_implementation
+            )
+            tok = AutoTokenizer.from_pretrained(path)
+        except OSError as e:  # offline hub id, missing folder: one line, not 200
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise OSError(
+                f"model spec {spec!r}: could not load it ({first}). A hub id needs network access "
+                "to the Hugging Face hub (or a local copy: pass its folder)"
+            ) from None
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
     model.config._attn_implementation = attn_implementation

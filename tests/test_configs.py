@@ -193,3 +193,33 @@ def test_node_typos_fail_before_compute(overrides, match, tmp_path):
     cfg, _, _ = load("train", overrides, tmp_path)
     with pytest.raises((TypeError, KeyError), match=match):
         check_nodes(cfg)
+
+
+def test_run_names_are_hashed_when_long_and_never_hold_out_or_progress(tmp_path):
+    from harness.config import RUN_NAME_MAX, run_name
+
+    assert run_name("objective=cispo,seed=1") == "objective=cispo,seed=1"
+    long = ",".join(f"rollout.group_size={i}" for i in range(40))
+    name = run_name(long)
+    assert len(name) == RUN_NAME_MAX and name.startswith(long[:40]) and name == run_name(long)
+    assert run_name(long + "0") != name
+    overrides = [f"+task.k{i}={i}" for i in range(30)] + ["out=/tmp/x", "progress=false"]
+    with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    dirname = cfg.hydra.job.override_dirname
+    assert "out=" not in dirname and "progress" not in dirname
+    run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"]
+    assert len(Path(run_dir).name) <= RUN_NAME_MAX
+
+
+@pytest.mark.parametrize(
+    "overrides, out",
+    [([], "results/measure/"), (["model=tiny-llama"], "results/measure/model=tiny-llama"),
+     (["model=tiny-llama", "force=true", "progress=true"], "results/measure/model=tiny-llama")],
+)  # fmt: skip
+def test_measure_writes_to_a_folder_named_after_its_overrides(overrides, out):
+    with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
+        cfg = compose("measure", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    assert cfg.out == out

@@ -118,3 +118,22 @@ def test_measure_smollm2_fp8_default_small(tmp_path):
     assert {"snr_est", "snr_true"} <= set(truth.columns)
     for f in ("fig1_noise_anatomy.png", "fig2_snr_table.png", "fig_layer_amplification.png"):
         assert (tmp_path / f).exists()
+
+
+def test_measure_refuses_to_overwrite_committed_results(tmp_path):
+    """`python -m harness.measure` with no out= would rewrite the committed results/measure/:
+    it stops before loading any model (make demo passes force=true)."""
+    import subprocess
+    import sys
+    import time
+
+    root = measure.__file__.rsplit("/harness/", 1)[0]
+    tracked = subprocess.run(["git", "ls-files", "results/measure"], cwd=root, capture_output=True)
+    if not tracked.stdout.strip():
+        pytest.skip("results/measure is not tracked by git here")
+    t0 = time.time()
+    r = subprocess.run(
+        [sys.executable, "-m", "harness.measure"], cwd=root, capture_output=True, text=True
+    )
+    assert r.returncode != 0 and time.time() - t0 < 60
+    assert "refusing to overwrite" in r.stderr and "force=true" in r.stderr

@@ -88,3 +88,17 @@ def test_smollm2_loads_and_answers():
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert "Berlin" in tok.decode(out[0, ids.shape[1] :])
+
+
+def test_unknown_and_unreachable_specs_fail_in_one_line(monkeypatch):
+    with pytest.raises(ValueError, match="task-model"):
+        load_model("bogus")
+    def offline(*a, **k):  # what transformers raises offline: a long multi-line OSError
+        raise OSError("We couldn't connect to 'https://huggingface.co'.\n" + "detail\n" * 200)
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", offline)
+    with pytest.raises(OSError) as e:
+        load_model("no-such-org/no-such-model")
+    msg = str(e.value)
+    assert "no-such-org/no-such-model" in msg and len(msg.splitlines()) <= 2
+    assert e.value.__cause__ is None and e.value.__suppress_context__

@@ -420,3 +420,20 @@ def test_a_damaged_latest_checkpoint_falls_back_and_a_torn_metrics_line_is_dropp
     drop = {"time/step_s"}
     clean = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
     assert clean(_metrics(part)) == clean(_metrics(tmp_path / "full"))
+
+
+@pytest.mark.slow
+def test_cli_run_shows_reward_and_entropy_and_writes_no_empty_log(tmp_path):
+    """`python -m harness.train` as a user runs it: the progress bar names reward and entropy
+    (it showed the entropy as `mean=` and never the reward), and no empty train.log appears."""
+    import subprocess
+    import sys
+
+    root = CONFIG_DIR.rsplit("/experiments", 1)[0]
+    args = [a for a in TINY if not a.startswith("progress")] + ["steps=2", f"out={tmp_path}"]
+    r = subprocess.run(
+        [sys.executable, "-m", "harness.train", *args], cwd=root, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "reward=" in r.stderr and "entropy=" in r.stderr and "mean=" not in r.stderr
+    assert not list(tmp_path.rglob("*.log"))
