@@ -111,6 +111,18 @@ def optimizer_step(
     return float(gnorm)
 
 
+def step_and_log(model, res, lag: int, opt, grad_clip: float, restore, on_step) -> dict | None:
+    """One optimizer step on `res.loss` (an ObjectiveOutput); its metrics, or None if skipped."""
+    gnorm = optimizer_step(model, res.loss, opt, grad_clip, restore)
+    if gnorm is None:
+        return None
+    if on_step is not None:
+        on_step()
+    return {
+        **res.metrics, "loss": float(res.loss.detach()), "grad/norm": gnorm, "alpha/lag": float(lag)
+    }  # fmt: skip
+
+
 def update(
     policy: Engine,
     objective,
@@ -155,21 +167,9 @@ def update(
                     mb.mask,
                 )  # fmt: skip
             )
-        res = objective(logp, mb)
-        gnorm = optimizer_step(policy.model, res.loss, opt, grad_clip, restore)
-        if gnorm is None:
-            skipped += 1
-            continue
-        if on_step is not None:
-            on_step()
-        metrics.append(
-            {
-                **res.metrics,
-                "loss": float(res.loss.detach()),
-                "grad/norm": gnorm,
-                "alpha/lag": float(lag),
-            }
-        )
+        m = step_and_log(policy.model, objective(logp, mb), lag, opt, grad_clip, restore, on_step)
+        skipped += m is None
+        metrics += [m] if m is not None else []
     policy.model.eval()
     return batch, metrics, skipped
 
@@ -216,19 +216,8 @@ def update_distill(
         res = objective(s, t, batch.mask[rows])
         if extra_metrics is not None:
             res.metrics.update(extra_metrics(s, t, rows))
-        gnorm = optimizer_step(student.model, res.loss, opt, grad_clip, restore)
-        if gnorm is None:
-            skipped += 1
-            continue
-        if on_step is not None:
-            on_step()
-        metrics.append(
-            {
-                **res.metrics,
-                "loss": float(res.loss.detach()),
-                "grad/norm": gnorm,
-                "alpha/lag": float(lag),
-            }
-        )
+        m = step_and_log(student.model, res, lag, opt, grad_clip, restore, on_step)
+        skipped += m is None
+        metrics += [m] if m is not None else []
     student.model.eval()
     return metrics, skipped
