@@ -74,3 +74,39 @@ def test_summarize_reads_raw_runs(tmp_path):
     assert len(df) == 5 and set(df.arm) == {"push control"}
     assert df.groupby("seed").complete.all().to_dict() == {0: True, 1: False}
     assert df.reward_mean.max() == pytest.approx(0.3) and df.eval_acc.isna().all()
+
+
+def test_summaries_must_name_the_shipped_weights_of_their_recipe():
+    import pandas as pd
+
+    from analysis.runs import weights_problems
+    from harness.warmstart import shipped_manifest
+
+    h, entry = next(iter(shipped_manifest().items()))
+    ok = pd.DataFrame({"recipe_hash": [h, h], "weights_sha": [entry["weights_sha"]] * 2})
+    assert weights_problems(ok) == []
+    assert "do not record the weights checksum" in weights_problems(pd.DataFrame({"x": [1]}))[0]
+    other = ok.assign(weights_sha=["0123456789abcdef", entry["weights_sha"]])
+    assert weights_problems(other) == [
+        f"runs of recipe {h} used weights 0123456789abcdef, not the shipped {entry['weights_sha']}"
+    ]
+
+
+def test_load_raw_copies_the_model_checksum_from_meta(tmp_path):
+    import json
+
+    import yaml
+
+    from analysis.runs import load_raw
+
+    run = tmp_path / "exp" / "seed=0"
+    run.mkdir(parents=True)
+    cfg = {"objective": {"name": "ppo_clip"}, "noise": {"name": "none"}, "seed": 0, "steps": 1,
+           "alpha": {"staleness": 0}, "engine": {"logp_old_source": "trainer"}}  # fmt: skip
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    model = {"weights_sha": "abf264c4edf47066", "recipe_hash": "a814f17fcbcb"}
+    (run / "meta.json").write_text(json.dumps({"model": model}))
+    df = load_raw(tmp_path, "exp")
+    assert df.weights_sha.tolist() == ["abf264c4edf47066"]
+    assert df.recipe_hash.tolist() == ["a814f17fcbcb"]

@@ -93,6 +93,7 @@ def test_smollm2_loads_and_answers():
 def test_unknown_and_unreachable_specs_fail_in_one_line(monkeypatch):
     with pytest.raises(ValueError, match="task-model"):
         load_model("bogus")
+
     def offline(*a, **k):  # what transformers raises offline: a long multi-line OSError
         raise OSError("We couldn't connect to 'https://huggingface.co'.\n" + "detail\n" * 200)
 
