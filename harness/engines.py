@@ -20,6 +20,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from harness import decode
 from harness.logprobs import (
     DEFAULT_CHUNK,
+    check_sampling,
     chunked_logp,
     chunked_stats,
     process_logits,
@@ -148,7 +149,7 @@ class Engine:
         seed: int = 0,
         progress: bool = False,
     ) -> Rollout:
-        process_logits(torch.zeros(1, 2), temperature, top_k, top_p)  # validate early
+        check_sampling(temperature, top_k, top_p)
         if n < 1 or max_new_tokens < 1:
             raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, {max_new_tokens=}")
         ids, attn = self.encode_prompts(prompts)
@@ -189,7 +190,8 @@ class Engine:
                 if plain
                 else process_logits(logits, temperature, top_k, top_p)
             )
-            if bool(torch.isnan(logp).any()) or not bool(torch.isfinite(logp).any(-1).all()):
+            # a NaN or +inf logit, or a row with no finite logit, makes the log-softmax NaN
+            if bool(torch.isnan(logp).any()):
                 raise FloatingPointError(
                     f"sampler: non-finite next-token distribution at decode step {step} (NaN or "
                     "no finite logit): the weights or the noise produced NaN/inf; not sampling"

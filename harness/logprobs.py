@@ -32,17 +32,25 @@ def replay_mask(support: Tensor, targets: Tensor, vocab: int) -> Tensor:
     return keep.view(B, T, vocab)
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "") -> None:
+    """The sampling law's parameters, checked once for the engine and for configs (`prefix`
+    names the config node, e.g. "rollout.")."""
+    if temperature <= 0:
+        raise ValueError(
+            f"{prefix}temperature must be > 0, got {temperature} (greedy is not a sampler)"
+        )
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{prefix}top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"{prefix}top_k must be >= 0 (0 = off), got {top_k}")
+
+
 def process_logits(
     logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
 ) -> Tensor:
     """Log-probs of the law actually sampled from: logits/T, then top-k, then top-p (as HF applies
     them), renormalised over the kept support; −inf outside it. `logits` is [N, V]."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature} (greedy is not a sampler)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    check_sampling(temperature, top_k, top_p)
     z = logits.float() / temperature
     if top_k and top_k < z.shape[-1]:
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]

@@ -170,7 +170,8 @@ def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -
     advantages, DAPO dynamic sampling (rows of uniform-reward groups dropped), minibatches
     cycled."""
     a = cfg.alpha
-    informative = torch.nonzero(batch.advantages.abs().sum(1) > 0).flatten()
+    nonzero = batch.advantages.abs().sum(1) > 0  # rows whose group's rewards differ
+    informative = torch.nonzero(nonzero).flatten()
     if len(informative) == 0:
         print("[measure] warning: every reward group is uniform; the objective moves nothing")
         informative = torch.arange(batch.tokens.shape[0])
@@ -190,7 +191,7 @@ def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -
     return {
         "loss": [m["loss"] for m in metrics],
         "nonfinite_skipped": skipped,
-        "frac_nonzero_adv": float((batch.advantages.abs().sum(1) > 0).float().mean()),
+        "frac_nonzero_adv": float(nonzero.float().mean()),
     }
 
 

@@ -105,7 +105,9 @@ def optimizer_step(
         opt.zero_grad(set_to_none=True)
         return None
     opt.step()
-    if restore is not None and not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+    if restore is not None and not bool(  # one host sync for all parameters
+        torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
+    ):
         restore()
         return None
     return float(gnorm)

@@ -44,6 +44,7 @@ from harness.diagnostics import bin_means, dials, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_text_atomic
 from harness.launch import AGGREGATION_KEYS, check_nodes, read_json, run_task, update_meta
+from harness.logprobs import check_sampling
 from harness.models import BUILTIN_SPECS, DTYPES, load_model, resolve_dtype, upcycle_to_moe
 from harness.noise import build_noise
 from harness.objectives import build_objective
@@ -287,10 +288,8 @@ def validate(cfg: DictConfig) -> None:
         if value not in valid:
             raise bad(key, value, ", ".join(map(repr, valid)))
     r, a = cfg.rollout, cfg.alpha
+    check_sampling(r.temperature, r.top_k, r.top_p, prefix="rollout.")
     checks = [
-        ("rollout.temperature", r.temperature, r.temperature > 0, "> 0 (greedy is not a sampler)"),
-        ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "in (0, 1]"),
-        ("rollout.top_k", r.top_k, r.top_k >= 0, ">= 0 (0 = off)"),
         ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
         ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
         ("rollout.group_size", r.group_size, r.group_size >= 2,

@@ -245,6 +245,14 @@ def shipped_manifest() -> dict[str, dict]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def model_source(cfg: dict, rebuild: bool = False) -> tuple[Path, dict | None]:
+    """Where a recipe's model lives: (shipped folder, its manifest entry) when it ships and
+    `rebuild` is false, else (its cache folder, None)."""
+    h = recipe_hash(cfg)
+    entry = None if rebuild else shipped_manifest().get(h)
+    return (SHIPPED / h if entry else task_model_dir(cfg)), entry
+
+
 def load_task_model(
     task: str, progress: bool = True, rebuild: bool = False, **overrides
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
@@ -253,19 +261,17 @@ def load_task_model(
     manifest's checksum); any other recipe, or `rebuild=True`, is trained from the recipe into
     $RATIOLAB_CACHE/task-models/<hash>/ when not cached there."""
     cfg = resolve_recipe(task, **overrides)
-    h = recipe_hash(cfg)
-    entry = None if rebuild else shipped_manifest().get(h)
-    path = SHIPPED / h if entry else task_model_dir(cfg)
+    path, entry = model_source(cfg, rebuild)
     if not entry and not (path / "recipe.json").exists():
         model, tok = train_task_model(cfg, progress)
         save_atomic(model, tok, cfg, path)
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if entry and weights_sha(model) != entry["weights_sha"]:
+    if entry and (sha := weights_sha(model)) != entry["weights_sha"]:
+        h = recipe_hash(cfg)
         raise RuntimeError(
-            f"shipped task model {path} has weights checksum {weights_sha(model)}, but the "
-            f"manifest (and every result that cites recipe {h}) names {entry['weights_sha']}: "
-            "the file is damaged or was replaced; restore it with `git checkout -- "
-            f"harness/task_models/{h}`"
+            f"shipped task model {path} has weights checksum {sha}, but the manifest (and "
+            f"every result that cites recipe {h}) names {entry['weights_sha']}: the file is "
+            f"damaged or was replaced; restore it with `git checkout -- harness/task_models/{h}`"
         )
     return model, PreTrainedTokenizerFast.from_pretrained(path)
 
@@ -393,7 +399,7 @@ def main_cli(cfg) -> dict:
         return entry
     model, tok = load_task_model(task, rebuild=rebuild, **overrides)
     h = recipe_hash(recipe)
-    where = task_model_dir(recipe) if rebuild or h not in shipped_manifest() else SHIPPED / h
+    where = model_source(recipe, rebuild)[0]
     print(f"[warmstart] {where} ({time.time() - t0:.0f} s)", flush=True)
     report = {
         "path": str(where),
