@@ -155,8 +155,10 @@ def update(
         out = policy.logp(
             ro, rows, grad=True, stats=batch.logp_old is None, mask_replay=mask_replay
         )
-        if batch.logp_old is None:
-            batch = batch.with_old(out)
+        if batch.logp_old is None:  # the pass is in `rows` order (a permutation of all rows)
+            order = torch.empty_like(rows)
+            order[rows] = torch.arange(len(rows))
+            batch = batch.with_old({k: v[order] for k, v in out.items()})
         logp, mb = out["logp"], batch.index(rows)
         if calibrate and i == 0:
             metrics.append(

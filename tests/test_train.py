@@ -215,6 +215,24 @@ def test_training_pass_doubles_as_logp_old_recompute(tiny_llama):
         assert (v.detach() - ref[k][rows])[m].abs().max() <= 1e-5, k
 
 
+def test_the_reused_training_pass_is_pi_old_row_for_row(tmp_path, alternating_reward):
+    """Staleness 0, one (shuffled) minibatch, no noise: π_old from the training pass must equal
+    μ token for token, so every ratio is 1 and nothing clips at θ = θ_old; and the run must equal
+    one with the separate π_old recompute (reuse_old_logp=false). A misaligned π_old (rows in
+    minibatch order written back in batch order) fails all three."""
+    rows = {}
+    for reuse in ("true", "false"):
+        train.run(_cfg(tmp_path / reuse, "steps=2", f"reuse_old_logp={reuse}", "eval_every=0"))
+        rows[reuse] = _metrics(tmp_path / reuse)
+    for r in rows["true"]:
+        assert r["dial/mean_abs_delta"] < 1e-5, r["dial/mean_abs_delta"]
+        assert r["clip/frac_low"] == 0 and r["clip/frac_high"] == 0
+    drop = {"time/step_s"}
+    for a, b in zip(rows["true"], rows["false"]):
+        for k in a.keys() - drop:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6, nan_ok=True), k
+
+
 def test_copy_exit_mass_by_hand():
     """One response 1 2 1 2 1 2: period 2, first copies at positions 2, 3 (tokens 1, 2). Teacher
     puts p = 0.5 on each copy token, student q = 0.75: R = (0.25 + 0.25) / (0.5 + 0.5) = 0.5."""
