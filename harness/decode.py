@@ -100,6 +100,13 @@ class LeanDecoder:
         self.pos = prompt_mask.long().sum(1) - 1  # position of the last token written, per row
         self.t = P  # next cache slot
 
+    @torch.no_grad()
+    def keep(self, rows: Tensor) -> None:
+        """Keep only the batch rows `rows` (finished rows leave the decode batch)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.key_mask, self.pos = self.key_mask[rows], self.pos[rows]
+
     def _attend(self, q: Tensor, K: Tensor, V: Tensor, mask: Tensor) -> Tensor:
         """SDPA called as transformers calls it for one query token, so the kernels (and the
         rounding, which matters in bf16) are the same: without padding no mask and native GQA;

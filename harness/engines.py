@@ -56,6 +56,44 @@ class Rollout:
         return self.prompt_ids.shape[1]
 
 
+def sample_rows(probs: Tensor, rows: Tensor, B: int, g: torch.Generator) -> Tensor:
+    """One token per row of `probs` ([n, V], the rows `rows` of a [B, V] batch), drawn exactly as
+    `torch.multinomial(p, 1, generator=g)` draws them for the whole batch: argmax(p / q) with
+    q ~ Exp(1) of shape [B, V] (its one-sample path), so leaving finished rows out of the batch
+    changes no live row's token. Checked against torch.multinomial in tests/test_engines.py."""
+    q = torch.empty(B, probs.shape[1], dtype=probs.dtype).exponential_(1, generator=g)
+    return (probs / q[rows]).argmax(-1)
+
+
+def prune_floor() -> int:
+    """The fewest rows a pruned decode batch keeps. MKL's GEMMs give a row the same bits at any
+    batch size M from 16 up with one thread, from 64 up with two (measured on this machine for
+    K, N in 99…49152; below that they switch kernels and the last bits move), so a batch never
+    shrinks below the floor and a live row's numbers equal those of the full batch."""
+    return 16 if torch.get_num_threads() == 1 else 64
+
+
+def keep_rows(live: Tensor, floor: int) -> Tensor:
+    """[n] bool: the live rows, topped up with finished ones (the first) to `floor` rows."""
+    short = floor - int(live.sum())
+    if short > 0:
+        filler = (~live).nonzero()[:short, 0]
+        live = live.clone()
+        live[filler] = True
+    return live
+
+
+def gather_rows(x: Tensor, inv: Tensor) -> Tensor:
+    """x[inv] along dim 0. GRPO groups (each prompt's rows adjacent, equal in number) take an
+    expand, whose backward is a sum over the group: the same gradient bits as index_select's
+    index_add, ~3× faster on the trainer's strided [B, heads, P, d] keys (bench: issue 15)."""
+    U, B = x.shape[0], inv.shape[0]
+    n = B // U
+    if B == U * n and torch.equal(inv, torch.arange(U).repeat_interleave(n)):
+        return x[:, None].expand(U, n, *x.shape[1:]).reshape(B, *x.shape[1:])
+    return x.index_select(0, inv)
+
+
 def position_ids(attention_mask: Tensor) -> Tensor:
     """Left padding: positions count real tokens only (pads get 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -181,6 +219,11 @@ class Engine:
         g = torch.Generator().manual_seed(seed)
         truncated = top_k > 0 or top_p < 1.0
         done = torch.zeros(B, dtype=torch.bool)
+        # rows still decoding: finished rows leave the decode batch when the noise allows it
+        # (`_can_prune`), never below `prune_floor()` rows; the same numbers either way (the
+        # sampler's random draws are made for all B rows)
+        live = torch.arange(B)
+        prune, floor = self._can_prune(), prune_floor()
         toks, mus, masks, sups = [], [], [], []
         # the law sampled from is the raw one when T = 1 and nothing is truncated: one log-softmax
         plain = temperature == 1.0 and not truncated
@@ -196,26 +239,41 @@ class Engine:
                     f"sampler: non-finite next-token distribution at decode step {step} (NaN or "
                     "no finite logit): the weights or the noise produced NaN/inf; not sampling"
                 )
-            tok = torch.multinomial(logp.exp(), 1, generator=g)[:, 0]
+            tok_live = sample_rows(logp.exp(), live, B, g)
+            tok = torch.full((B,), self.pad_id, dtype=torch.long)
+            tok[live] = tok_live
             tok = torch.where(done, self.pad_id, tok)
             toks.append(tok)
             masks.append(~done)
-            mus.append(logp.gather(1, tok[:, None])[:, 0])
+            mu = torch.zeros(B, dtype=logp.dtype)
+            mu[live] = logp.gather(1, tok_live[:, None])[:, 0]
+            mus.append(mu)
             if truncated:
                 k = int(torch.isfinite(logp).sum(-1).max())
                 val, idx = torch.topk(logp, k, dim=-1)
-                sups.append(torch.where(torch.isfinite(val), idx, -1))
+                sup = torch.full((B, k), -1, dtype=torch.long)
+                sup[live] = torch.where(torch.isfinite(val), idx, -1)
+                sups.append(sup)
             done = done | torch.isin(tok, self.eos_ids)
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
+            if prune and len(live) > floor and bool(done[live].any()):
+                sel = keep_rows(~done[live], floor).nonzero()[:, 0]
+                live = live[sel]
+                logits, attn, ids, h = logits[sel], attn[sel], ids[sel], h[sel]
+                if lean is not None:
+                    lean.keep(sel)
+                elif cache is not None:
+                    cache.reorder_cache(sel)
+            tok_live = tok[live]  # the pad token for finished rows, as before
             if lean is not None:
-                logits = lean.step(tok)
+                logits = lean.step(tok_live)
                 continue
-            attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype)], 1)
-            ids = torch.cat([ids, tok[:, None]], 1)
+            attn = torch.cat([attn, torch.ones(len(tok_live), 1, dtype=attn.dtype)], 1)
+            ids = torch.cat([ids, tok_live[:, None]], 1)
             if cache is not None:
-                h = prefix_hash(tok[:, None], prev=h[:, -1])
-                logits = self._next_logits(tok[:, None], attn, cache, h)
+                h = prefix_hash(tok_live[:, None], prev=h[:, -1])
+                logits = self._next_logits(tok_live[:, None], attn, cache, h)
             else:
                 h = prefix_hash(ids, attn)
                 logits = self._next_logits(ids, attn, cache, h)
@@ -248,6 +306,13 @@ class Engine:
         noise, `batch`, routing records/replay): with any attached, every row runs in full."""
         return not self.noise
 
+    def _can_prune(self) -> bool:
+        """Finished rows may leave the decode batch when no attached noise model depends on
+        which rows share the batch (`NoiseModel.row_local`): with none attached, or only
+        row-local ones (noise keyed by each row's own token prefix), the live rows' numbers do
+        not change when the others leave (tests/test_engines.py)."""
+        return all(n.row_local for n in self.noise)
+
     def _can_decode_lean(self) -> bool:
         """The lean decode loop (harness/decode.py) runs the plain model's arithmetic: only with
         a KV cache, no noise attached and a model it reproduces exactly."""
@@ -277,7 +342,8 @@ class Engine:
                 cache=cache,
                 use_cache=True,
             ).last_hidden_state
-        cache.reorder_cache(inv)
+        for layer in cache.layers:  # each row's copy of its prompt's keys and values
+            layer.keys, layer.values = gather_rows(layer.keys, inv), gather_rows(layer.values, inv)
         with forward_context(hash_BxS[:, n_prompt:]):
             h_resp = decoder(
                 input_ids=tokens[:, n_prompt:],

@@ -326,3 +326,161 @@ def test_lean_decode_is_off_where_it_would_not_be_exact(tiny_llama, tiny_moe):
     h.remove()
     assert decode.supports(model)
     assert not decode.supports(tiny_moe[0])  # not a dense Llama
+
+
+# --- issue 15: finished rows leave the decode batch, numbers unchanged ------------------------
+
+
+@pytest.mark.parametrize("V", [7, 99, 49152])
+def test_sample_rows_draws_what_torch_multinomial_draws(V):
+    """argmax(p / Exp(1)) over the whole [B, V] draw is torch.multinomial's one-sample path:
+    the same tokens for every row, and a subset of rows gets its rows' tokens."""
+    from harness.engines import sample_rows
+
+    B = 6
+    for seed in range(20):
+        p = torch.rand(B, V, generator=torch.Generator().manual_seed(100 + seed)) ** 4
+        p[:, : V // 3] = 0.0  # truncated support
+        p = p / p.sum(-1, keepdim=True)
+        ref = torch.multinomial(p, 1, generator=torch.Generator().manual_seed(seed))[:, 0]
+        rows = torch.arange(B)
+        assert torch.equal(sample_rows(p, rows, B, torch.Generator().manual_seed(seed)), ref)
+        sub = torch.tensor([1, 4, 5])
+        got = sample_rows(p[sub], sub, B, torch.Generator().manual_seed(seed))
+        assert torch.equal(got, ref[sub])
+
+
+def _pruned_and_full(eng, prompts, threads=1, **kw):
+    """The same rollout with finished rows leaving the decode batch and with every row kept, at
+    `threads` intra-op threads (the pruning floor depends on them)."""
+    assert eng._can_prune()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = eng.generate(prompts, **kw)
+        eng._can_prune = lambda: False
+        b = eng.generate(prompts, **kw)
+    finally:
+        eng.__dict__.pop("_can_prune", None)
+        torch.set_num_threads(before)
+    return a, b
+
+
+def _assert_same_rollout(a, b):
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(a.logp_mu, b.logp_mu)
+    assert (a.support is None) == (b.support is None)
+    if a.support is not None:  # a set per token: topk's order among tied log-probs may differ
+        K = max(a.support.shape[-1], b.support.shape[-1])  # and so may the −1 padding width
+
+        def canon(x):
+            x = torch.nn.functional.pad(x, (0, K - x.shape[-1]), value=-1)
+            return torch.where(x < 0, 1 << 30, x).sort(-1).values
+
+        assert torch.equal(canon(a.support), canon(b.support))
+
+
+@pytest.mark.parametrize(
+    "path,dtype,noise,top_p",
+    [
+        ("lean", "fp32", None, 1.0),
+        ("lean", "bf16", None, 0.9),
+        ("hf", "fp32", None, 0.9),
+        ("recompute", "fp32", None, 1.0),
+        ("hf", "fp32", "logit", 1.0),
+        ("hf", "fp32", "layer", 0.9),
+        ("hf", "fp32", "fp8-row", 1.0),
+    ],
+)
+def test_pruned_decode_is_bit_identical_to_decoding_every_row(
+    tiny_llama, path, dtype, noise, top_p
+):  # noqa: E501
+    """Finished rows leave the decode batch (lean decoder, HF KV-cache path, full recompute,
+    row-local noise): tokens, masks, logp_mu and support are bit-identical to keeping them.
+    EOS is made frequent (three common token ids) so rows finish at many different steps."""
+    from harness.noise import build_noise
+
+    model, tok = _sharpened(tiny_llama)
+    model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    specs = {"logit": ("logit", {"sigma": 0.5}), "layer": ("layer", {"sigma": 1e-2}),
+             "fp8-row": ("fp8", {"granularity": "row"})}  # fmt: skip
+    nz = [build_noise(specs[noise][0], **specs[noise][1])] if noise else []
+    eng = Engine(model, tok, noise=nz, kv_cache=path != "recompute")
+    try:
+        if path == "hf":
+            eng._can_decode_lean = lambda: False
+        probe = eng.generate(["12+3="], n=64, max_new_tokens=4, seed=0)
+        common = probe.response_ids.flatten().bincount().argsort(descending=True)[:3]
+        eng.eos_ids = common
+        prompts = ["12+3=", "hello wo", "x", "45-6=", "a b c"]  # 40 rows > the floor of 16
+        a, b = _pruned_and_full(eng, prompts, n=8, max_new_tokens=14, seed=3, top_p=top_p)
+        lens = a.response_mask.sum(1)
+        assert len(lens.unique()) >= 3 and lens.min() < a.response_mask.shape[1]  # rows did prune
+        _assert_same_rollout(a, b)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pruned_decode_on_the_task_model_and_which_noise_may_prune(threads):
+    """The shipped countdown task model (its own EOS), the default rollout shape (16 prompts × 8,
+    24 tokens): bit-identical at one and two threads.
+    Noise keyed by the batch (batch noise, per-tensor FP8 activations, fresh noise) keeps
+    every row in the batch."""
+    from harness.noise import build_noise
+    from harness.tasks import countdown
+    from harness.warmstart import load_task_model
+
+    model, tok = load_task_model("countdown")
+    eng = Engine(model, tok)
+    prompts = [p.prompt for p in countdown().sample(16, "train", 5)]
+    a, b = _pruned_and_full(eng, prompts, threads, n=8, max_new_tokens=24, seed=11)
+    assert a.response_mask.sum(1).min() < a.response_mask.shape[1]
+    _assert_same_rollout(a, b)
+    fresh = {"deterministic": False}
+    for name, kw in [("batch", {}), ("fp8", {"activations": True}), ("logit", fresh)]:
+        n = build_noise(name, **kw)
+        assert not n.row_local, name
+    assert build_noise("logit").row_local and build_noise("fp8").row_local  # weights only
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_rows_do_not_depend_on_the_batch_size_above_the_prune_floor(threads):
+    """The premise of `prune_floor`: on this machine a row of F.linear(x, W) has the same bits
+    in a batch of any M ≥ the floor (SmolLM2's and the task models' K, N). Below the floor MKL
+    switches kernels; if this fails on another CPU, raise the floor there."""
+    from torch.nn import functional as F
+
+    from harness.engines import prune_floor
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        floor, g = prune_floor(), torch.Generator().manual_seed(0)
+        for K, N in [(192, 99), (192, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]:
+            M = 2 * floor + 8
+            x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+            full = F.linear(x, w)
+            for m in range(floor, M):
+                assert torch.equal(F.linear(x[:m].contiguous(), w), full[:m]), (K, N, m)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("inv", [[0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 0, 2, 1, 2, 0, 2, 1]])
+def test_gather_rows_equals_index_select_with_its_gradient(inv):
+    """The trainer's per-row copy of each prompt's keys: values and gradient bit-identical to
+    index_select (expand path for adjacent GRPO groups, index_select otherwise)."""
+    from harness.engines import gather_rows
+
+    inv = torch.tensor(inv)
+    base = torch.randn(3, 5, 4, 8, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(9, 5, 4, 8, generator=torch.Generator().manual_seed(1)).transpose(1, 2)
+    grads = []
+    for fn in (gather_rows, lambda x, i: x.index_select(0, i)):
+        x = base.clone().requires_grad_(True)
+        y = fn(x.transpose(1, 2), inv)  # strided, as the attention's keys are
+        y.backward(g)
+        grads.append((y.detach(), x.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

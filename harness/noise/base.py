@@ -22,6 +22,12 @@ class NoiseModel:
 
     uses_context = True
 
+    @property
+    def row_local(self) -> bool:
+        """True when a row's noise depends only on that row's own tokens (deterministic noise
+        keyed by the token prefix), so the sampler may drop finished rows from its batch."""
+        return False
+
     def __init__(self, seed: int = 0, deterministic: bool = True):
         self.seed = int(seed)
         self.deterministic = bool(deterministic)

@@ -34,6 +34,10 @@ class BatchNoise(LayerNoise):
         super().__init__(sigma, layers=layers, mode=mode, seed=seed, deterministic=True)
         self.key = key
 
+    @property
+    def row_local(self) -> bool:  # its noise is keyed by the batch shape: never
+        return False
+
     def batch_key(self) -> int:
         ctx = current()
         if ctx is None:

@@ -176,6 +176,12 @@ class Fp8Noise(NoiseModel):
         self._amax_hist: dict[int, deque] = {}
         self._attn_impl: str | None = None
 
+    @property
+    def row_local(self) -> bool:
+        """Weights and the KV cache quantise per row or statically; activations per tensor
+        (current or delayed scaling) take their scale from the whole batch."""
+        return not self.activations or self.act_granularity in ("row", "block", "mxfp8")
+
     # --- quantisers ------------------------------------------------------------------------
 
     def qdq_weight(self, w: Tensor) -> Tensor:

@@ -50,6 +50,10 @@ class LayerNoise(NoiseModel):
         self.layers = None if layers is None else [int(i) for i in layers]
         self.inject_at = inject_at
 
+    @property
+    def row_local(self) -> bool:  # keyed by each token's prefix hash unless fresh noise
+        return self.deterministic
+
     def _attach(self, model: nn.Module) -> None:
         dec = decoder_layers(model)
         if self.inject_at == EMBED:

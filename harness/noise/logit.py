@@ -30,6 +30,10 @@ class LogitNoise(NoiseModel):
             raise ValueError(f"logit noise: nu (degrees of freedom) must be > 0, got {nu}")
         self.sigma, self.nu = float(sigma), nu
 
+    @property
+    def row_local(self) -> bool:  # keyed by each row's prefix hash unless fresh noise
+        return self.deterministic
+
     def _attach(self, model: nn.Module) -> None:
         head = model.get_output_embeddings()
         if head is None:
