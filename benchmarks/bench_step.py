@@ -1,14 +1,19 @@
-"""Step time of ratiolab's GRPO step vs TRL's GRPOTrainer on the same work (issue 9, item 1).
+"""Step time of ratiolab's GRPO step vs TRL's GRPOTrainer on the same work (issues 9, 15).
 
     python benchmarks/bench_step.py --model tiny --pairs 7
     python benchmarks/bench_step.py --model task-model --pairs 7
     python benchmarks/bench_step.py --model smollm2-135m --pairs 5
+    python benchmarks/bench_step.py --model task-model --work eos --task countdown --pairs 7
 
-Same work on both sides: 8 prompts × 4 generations, 32 new tokens (EOS disabled on both, so every
-row is 32 tokens), T = 1, no top-k/top-p, `ppo_clip` with ε = 0.2/0.28 and token-mean aggregation
-(TRL: loss_type="dapo", beta=0, num_iterations=1), fp32, one AdamW step with grad-norm clip 1.0,
-no noise. TRL runs without gradient checkpointing (its default is on, which is slower), so the
-comparison is against TRL's fastest configuration for this work.
+Same work on both sides. `--work fixed` (issue 9): 8 prompts × 4 generations, 32 new tokens
+(EOS disabled on both, so every row is 32 tokens). `--work eos` (issue 15): the default training
+config's 16 prompts × 8, 24 new tokens, EOS on, so rows end at the task's own answer lengths and
+each side pays for finished rows and padding as it really does; the report gives the share of
+decode and trainer positions that are padding or finished rows. Both: T = 1, no top-k/top-p,
+`ppo_clip` with ε = 0.2/0.28 and token-mean aggregation (TRL: loss_type="dapo", beta=0,
+num_iterations=1), fp32, one AdamW step with grad-norm clip 1.0, no noise. TRL runs without
+gradient checkpointing (its default is on, which is slower), so the comparison is against TRL's
+fastest configuration for this work.
 
 Both run in one process, interleaved: TRL's `train()` runs warm-up + pairs steps, and a callback
 times each TRL step (on_step_begin → on_step_end) and then runs and times one ratiolab step per
@@ -20,10 +25,11 @@ doubles as π_old (`collect(old_policy=None)`: π_old := detached π_θ, with p_
 from the same pass), as TRL does when each rollout batch is used once. Variant `recompute`
 passes the trainer as π_old to `collect`: the separate π_old pass the loop runs when α is
 configured. Variant `before` is `recompute` with the engine's issue-9 fast paths off (shared
-prompt prefill/prefix, the lean decode loop of harness/decode.py), interleaved in the same run.
+prompt prefill/prefix, the lean decode loop of harness/decode.py); `noprune` is `loop` with
+finished rows kept in the decode batch (before issue 15). All interleaved in the same run.
 After the pairs, one `loop` step runs under the torch profiler: its time inside GEMM kernels over
 TRL's median step is `gemm_floor_ratio`, the lowest ratio reachable without faster GEMMs (TRL runs
-the same GEMMs). Writes results/bench/step_<model>.json
+the same GEMMs). Writes results/bench/step_<model>[_eos_<task>].json
 (every pair, phase medians) and refreshes results/bench/step.json (all models' ratios,
 min/median/max).
 """
@@ -38,8 +44,10 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,7 +57,32 @@ from harness.objectives import build_objective
 from harness.step import Sampling, collect, update
 from harness.tasks import arithmetic
 
-N_PROMPTS, GROUP, NEW_TOKENS = 8, 4, 32
+
+@dataclass(frozen=True)
+class Work:
+    """What both sides do per step. `fixed`: 8 prompts × 4, 32 tokens, EOS off (every row runs
+    32 tokens); `eos`: the default training config's 16 prompts × 8, 24 tokens, EOS on, so rows
+    finish at the task's own answer lengths (what a real run pays for)."""
+
+    prompts: int
+    group: int
+    new_tokens: int
+    eos: bool
+    task: Any
+
+
+def work_for(kind: str, task_name: str) -> Work:
+    from harness.config import RolloutCfg
+    from harness.tasks import TASKS
+    from harness.warmstart import resolve_recipe
+
+    task = TASKS[task_name](**resolve_recipe(task_name)["task_kwargs"])
+    if kind == "fixed":
+        return Work(8, 4, 32, False, arithmetic(digits=2, ops="+-"))
+    r = RolloutCfg()
+    return Work(r.prompts_per_step, r.group_size, r.max_new_tokens, True, task)
+
+
 EPS_LOW, EPS_HIGH, LR, CLIP = 0.2, 0.28, 1e-6, 1.0
 # smollm2: an instruction prefix so prompts are ~40 tokens (the issue's setting, ≤ 64)
 INSTRUCTION = (
@@ -58,13 +91,14 @@ INSTRUCTION = (
 )
 
 
-def load(spec: str):
-    """tiny: the issue's 4-layer d = 128 Llama (SMALL_ARITHMETIC); task-model: the default."""
+def load(spec: str, task: str):
+    """tiny: the issue's 4-layer d = 128 Llama (SMALL_ARITHMETIC); task-model: the shipped task
+    model of `task` (arithmetic or countdown)."""
     if spec in ("tiny", "task-model"):
         from harness.warmstart import SMALL_ARITHMETIC, load_task_model
 
         recipe = SMALL_ARITHMETIC if spec == "tiny" else {}
-        model, tok = load_task_model("arithmetic", progress=True, **recipe)
+        model, tok = load_task_model(task if spec == "task-model" else "arithmetic", **recipe)
         return model, tok, ""
     from harness.models import load_model
 
@@ -78,12 +112,14 @@ class RatiolabStep:
     The variants share one model/optimizer/sampler state (the work does not depend on the
     weight values), which keeps SmolLM2 runs within this machine's memory."""
 
-    def __init__(self, model, tok, task):
+    def __init__(self, model, tok, work: Work):
         self.model = model
         self.trainer = Engine(model, tok)
         self.sampler = Engine(copy.deepcopy(model), tok)
-        self.sampler.eos_ids = torch.empty(0, dtype=torch.long)  # all rows run 32 tokens
-        self.tok, self.task = tok, task
+        if not work.eos:  # all rows run new_tokens tokens
+            self.sampler.eos_ids = torch.empty(0, dtype=torch.long)
+        self.tok, self.work = tok, work
+        self.waste: list[dict[str, float]] = []
         self.objective = build_objective(
             "ppo_clip", eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation="token-mean"
         )
@@ -92,25 +128,29 @@ class RatiolabStep:
         self.history.push(model)
 
     def __call__(self, problems, prompts, seed: int, variant: str) -> dict[str, float]:
-        if variant == "before":  # the engine before issue 9: no prompt sharing, HF decode steps
-            for eng in (self.trainer, self.sampler):
-                eng._can_share_prefix = eng._can_decode_lean = lambda: False
+        off = {
+            "before": ("_can_share_prefix", "_can_decode_lean", "_can_prune"),  # pre-issue 9
+            "noprune": ("_can_prune",),  # finished rows keep decoding (before issue 15)
+        }.get(variant, ())
+        for eng in (self.trainer, self.sampler):
+            for name in off:
+                setattr(eng, name, lambda: False)
         try:
-            return self._step(problems, prompts, seed, skip_old=variant == "loop")
+            return self._step(problems, prompts, seed, skip_old=variant in ("loop", "noprune"))
         finally:
             for eng in (self.trainer, self.sampler):
-                eng.__dict__.pop("_can_share_prefix", None)
-                eng.__dict__.pop("_can_decode_lean", None)
+                for name in off:
+                    eng.__dict__.pop(name, None)
 
     def _step(self, problems, prompts, seed: int, skip_old: bool) -> dict[str, float]:
         t: dict[str, float] = {}
         t0 = time.perf_counter()
         old_policy = None if skip_old else self.trainer
-        reward = partial(self.task.rollout_rewards, problems, tokenizer=self.tok)
-        batch, ro, _ = collect(
-            self.sampler, old_policy, prompts, reward, Sampling(GROUP, NEW_TOKENS), seed=seed
-        )
+        reward = partial(self.work.task.rollout_rewards, problems, tokenizer=self.tok)
+        sampling = Sampling(self.work.group, self.work.new_tokens)
+        batch, ro, _ = collect(self.sampler, old_policy, prompts, reward, sampling, seed=seed)
         t["collect"] = time.perf_counter() - t0
+        self.waste.append(waste(ro))
         t1 = time.perf_counter()
         rows = torch.arange(ro.response_ids.shape[0])
         update(
@@ -125,21 +165,31 @@ class RatiolabStep:
         return t
 
 
-def build_trl(model, tok, problems, prompts, steps: int, out_dir: str, grad_ckpt: bool):
+def waste(ro) -> dict[str, float]:
+    """Share of the positions that are padding or finished rows: in decode (rows × decode steps
+    run, when finished rows keep decoding) and in the trainer's [B, P + T] forward."""
+    live = float(ro.response_mask.sum())
+    real = live + float(ro.prompt_mask.sum())
+    B, T, P = *ro.response_mask.shape, ro.prompt_ids.shape[1]
+    return {"decode_padding": 1 - live / (B * T), "train_padding": 1 - real / (B * (P + T))}
+
+
+def build_trl(model, tok, problems, prompts, steps: int, out_dir: str, grad_ckpt: bool, work):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     def reward(prompts, completions, idx, **_):
-        return [TASK.reward(problems[i], c) for i, c in zip(idx, completions)]
+        return [work.task.reward(problems[i], c) for i, c in zip(idx, completions)]
 
     ds = Dataset.from_dict({"prompt": prompts, "idx": list(range(len(prompts)))})
     args = GRPOConfig(
         output_dir=out_dir,
-        per_device_train_batch_size=N_PROMPTS * GROUP,
+        per_device_train_batch_size=work.prompts * work.group,
         gradient_accumulation_steps=1,
-        num_generations=GROUP,
-        max_completion_length=NEW_TOKENS,
-        generation_kwargs={"min_new_tokens": NEW_TOKENS},  # EOS disabled: every row 32 tokens
+        num_generations=work.group,
+        max_completion_length=work.new_tokens,
+        # fixed work: EOS disabled, every row new_tokens long; eos: rows end at EOS
+        generation_kwargs={} if work.eos else {"min_new_tokens": work.new_tokens},
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -171,9 +221,6 @@ def build_trl(model, tok, problems, prompts, steps: int, out_dir: str, grad_ckpt
     )
 
 
-TASK = arithmetic(digits=2, ops="+-")
-
-
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm")
 
 
@@ -196,15 +243,17 @@ def write_summary(folder: Path) -> Path:
     summary_ = {}
     for f in sorted(folder.glob("step_*.json")):
         r = json.loads(f.read_text())
-        summary_[r["model"]] = {
+        summary_[r.get("label", r["model"])] = {
             "command": r["command"],
             "file": str(f),
             "pairs": r["pairs"],
             "threads": r["threads"],
+            "work": {k: v for k, v in r["work"].items() if k != "objective"},
             "trl_step_s": r["trl_step_s"],
             **{k: v for k, v in r.items() if k.startswith("ratio_")},
             **{k: v for k, v in r.items() if k.startswith("ratiolab_") and k.endswith("_step_s")},
             "gemm_floor_ratio": r.get("gemm_floor_ratio"),
+            "gemm_share_of_loop_step": r.get("gemm_share_of_loop_step"),
         }
     out = folder / "step.json"
     out.write_text(json.dumps(summary_, indent=2) + "\n")
@@ -219,6 +268,14 @@ def main() -> None:
         help="tiny (4 layers, d = 128: the issue's tiny Llama, session 1's task model) | "
         "task-model (the default arithmetic task model, 6 layers, d = 192) | smollm2-135m",
     )
+    ap.add_argument(
+        "--work",
+        default="fixed",
+        choices=("fixed", "eos"),
+        help="fixed: 8 prompts × 4, 32 tokens, EOS off (issue 9's work); eos: the default "
+        "training config (16 × 8, 24 tokens), EOS on, the task's own answer lengths",
+    )
+    ap.add_argument("--task", default="arithmetic", choices=("arithmetic", "countdown"))
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
@@ -227,7 +284,8 @@ def main() -> None:
         default="loop,recompute,before",
         help="ratiolab variants: loop (as harness.train runs at staleness 0 with one minibatch: "
         "the training pass doubles as π_old), recompute (a separate π_old pass, as with α "
-        "configured), before (recompute with the issue-9 engine fast path off)",
+        "configured), before (recompute with the issue-9 engine fast path off), noprune "
+        "(loop with finished rows kept in the decode batch: before issue 15)",
     )
     ap.add_argument("--trl-gradient-checkpointing", action="store_true")
     ap.add_argument("--out", default=None)
@@ -235,15 +293,17 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
 
-    base, tok, prefix = load(a.model)
+    work = work_for(a.work, a.task)
+    label = a.model + ("" if a.work == "fixed" else f"_eos_{a.task}")
+    base, tok, prefix = load(a.model, a.task)
     steps = a.warmup + a.pairs
-    problems = TASK.sample(N_PROMPTS * steps, "train", 0)
+    problems = work.task.sample(work.prompts * steps, "train", 0)
     prompts = [prefix + p.prompt for p in problems]
     n_prompt_tok = [len(tok(p, add_special_tokens=False).input_ids) for p in prompts]
     assert max(n_prompt_tok) <= 64, max(n_prompt_tok)
 
     variants = a.variants.split(",")
-    ratiolab = RatiolabStep(copy.deepcopy(base), tok, TASK)
+    ratiolab = RatiolabStep(copy.deepcopy(base), tok, work)
     trl_model = copy.deepcopy(base).train()
     del base
     import tempfile
@@ -255,7 +315,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trl(
-            trl_model, tok, problems, prompts, steps, tmp, a.trl_gradient_checkpointing
+            trl_model, tok, problems, prompts, steps, tmp, a.trl_gradient_checkpointing, work
         )
         ckpt_active = bool(getattr(trl_model, "is_activation_checkpointing", False))
         for name in ("_generate_and_score_completions", "_compute_loss"):
@@ -285,7 +345,7 @@ def main() -> None:
                         "loss_forward": trl_phase.get("_compute_loss"),
                     },
                 }
-                sel = problems[N_PROMPTS * i : N_PROMPTS * (i + 1)]
+                sel = problems[work.prompts * i : work.prompts * (i + 1)]
                 for v in variants:
                     row[v] = ratiolab(sel, [prefix + p.prompt for p in sel], seed=i, variant=v)
                 rows.append(row)
@@ -308,10 +368,18 @@ def main() -> None:
     report = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "model": a.model,
+        "label": label,
         "work": {
-            "prompts": N_PROMPTS,
-            "group": GROUP,
-            "new_tokens": NEW_TOKENS,
+            "kind": a.work,
+            "task": type(work.task).__name__,
+            "prompts": work.prompts,
+            "group": work.group,
+            "new_tokens": work.new_tokens,
+            "eos": work.eos,
+            # of the ratiolab rollouts (every variant samples the same rows)
+            "padding_mean": {
+                k: statistics.mean(w[k] for w in ratiolab.waste) for k in ratiolab.waste[0]
+            },
             "prompt_tokens_max": max(n_prompt_tok),
             "prompt_tokens_mean": statistics.mean(n_prompt_tok),
             "objective": "ppo_clip eps 0.2/0.28 token-mean == TRL loss_type=dapo, beta=0",
@@ -346,26 +414,34 @@ def main() -> None:
         report[f"ratio_{v}_over_trl"] = summary([x / y for x, y in zip(rt, trl_t)])
     # the floor: time inside GEMM kernels during one profiled `loop` step. The same GEMMs run on
     # TRL's side, so no overhead cut can take the ratio below gemm_floor_ratio.
-    sel = problems[:N_PROMPTS]
+    sel = problems[: work.prompts]
     gemm_s = gemm_seconds(lambda: ratiolab(sel, [prefix + p.prompt for p in sel], 0, "loop"))
     report["ratiolab_loop_gemm_s"] = gemm_s
     report["gemm_floor_ratio"] = gemm_s / report["trl_step_s"]["median"]
+    # the most any overhead cut can speed ratiolab's own step up, at this GEMM speed
+    loop = report.get("ratiolab_loop_step_s", {}).get("median")
+    report["gemm_share_of_loop_step"] = gemm_s / loop if loop else float("nan")
     report["rows"] = rows
-    out = Path(a.out or f"results/bench/step_{a.model}.json")
+    out = Path(a.out or f"results/bench/step_{label}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     for v in variants:
         s = report[f"ratio_{v}_over_trl"]
         print(
-            f"[{a.model}] ratiolab({v}) / TRL step time: median {s['median']:.3f} "
+            f"[{label}] ratiolab({v}) / TRL step time: median {s['median']:.3f} "
             f"(min {s['min']:.3f}, max {s['max']:.3f}, {s['n']} pairs); TRL median "
             f"{report['trl_step_s']['median']:.3f} s, ratiolab median "
             f"{report[f'ratiolab_{v}_step_s']['median']:.3f} s"
         )
     print(
-        f"[{a.model}] GEMM time in one ratiolab(loop) step: {gemm_s:.3f} s = "
+        f"[{label}] GEMM time in one ratiolab(loop) step: {gemm_s:.3f} s = "
         f"{report['gemm_floor_ratio']:.3f} of TRL's median step (the ratio's floor at this "
-        "GEMM speed)"
+        f"GEMM speed), {report['gemm_share_of_loop_step']:.3f} of ratiolab's"
+    )
+    pad = report["work"]["padding_mean"]
+    print(
+        f"[{label}] padding or finished rows: {pad['decode_padding']:.1%} of decode positions "
+        f"(rows × steps), {pad['train_padding']:.1%} of the trainer's [B, P + T] positions"
     )
     print(f"wrote {out} and {write_summary(out.parent)}")
 

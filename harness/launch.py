@@ -241,6 +241,7 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "slurm": slurm_ids(),
+        "threads": _threads(),  # intra-op threads this run computed with
     }
     previous = read_json(run / "meta.json").get("attempts", [])
     if previous and "status" not in previous[-1]:  # it never finished: killed (SIGKILL, OOM)
@@ -281,6 +282,12 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
         raise
     _finish(run, attempt, "completed", t0)
     return result
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _overrides() -> list[str]:

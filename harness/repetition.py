@@ -52,9 +52,11 @@ def repetitions(
     """All repetitions, primitive periods only, sorted by start: dicts with period, start, end,
     length, copies (⌊L/ℓ⌋), mature and terminal."""
     n = len(tokens)
+    x = np.asarray(tokens)
     kept: list[dict] = []
-    for period in range(min_period, max_period + 1):
-        for s, e in periodic_segments(tokens, period):
+    # a repetition has L ≥ 2ℓ and L ≤ n: no period above n // 2 can hold one
+    for period in range(min_period, min(max_period, n // 2) + 1):
+        for s, e in periodic_segments(x, period):
             length = e - s + 1
             if not is_repetition(length, period):
                 continue

@@ -4,11 +4,14 @@ import pytest
 import torch
 
 from harness.repetition import (
+    MAX_PERIOD,
+    MIN_PERIOD,
     copy_positions,
     copy_token_probs,
     exit_mass,
     periodic_segments,
     repetition_report,
+    repetitions,
 )
 
 
@@ -119,3 +122,38 @@ def test_exit_mass():
     # reversed band p < q < p/P_A: t = 2 has 0.5 < 0.75 < 0.833 -> 1 of 2
     assert out["frac_reversed_band"] == 0.5
     assert exit_mass([0.9, 0.5], [0.8, 0.75], p_active_mass=[0.5, 0.8])["frac_reversed_band"] == 0
+
+
+def test_random_responses_match_a_naive_all_periods_scan():
+    """Random token strings (small alphabet, planted loops): the detector equals a naive scan
+    of every period 2..50 that checks the definition position by position."""
+    import random
+
+    def naive(x):
+        n, kept = len(x), []
+        for ell in range(MIN_PERIOD, MAX_PERIOD + 1):
+            t = ell
+            while t < n:
+                if x[t] != x[t - ell]:
+                    t += 1
+                    continue
+                a = t
+                while t < n and x[t] == x[t - ell]:
+                    t += 1
+                s, e = a - ell, t - 1
+                L = e - s + 1
+                if L // ell >= 2 and not any(k[1] <= s and e <= k[2] for k in kept):
+                    kept.append((ell, s, e))
+        return sorted(kept, key=lambda k: (k[1], k[0]))
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(0, 120)
+        x = [rng.randint(0, 3) for _ in range(n)]
+        if n > 20 and rng.random() < 0.5:  # plant a loop
+            ell = rng.randint(2, 12)
+            i = rng.randint(0, n - 1)
+            for t in range(i + ell, min(n, i + ell * rng.randint(2, 6))):
+                x[t] = x[t - ell]
+        got = [(r["period"], r["start"], r["end"]) for r in repetitions(x)]
+        assert got == naive(x), x
