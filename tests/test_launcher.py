@@ -42,7 +42,9 @@ def main(cfg):
     import torch
 
     t0 = time.time()
-    time.sleep(2.0)
+    with open(os.path.join(cfg.out, f"{cfg.i}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(cfg.get("sleep", 2.0))
     rec = {"pid": os.getpid(), "t0": t0, "t1": time.time(), "threads": torch.get_num_threads(),
            "omp": os.environ.get("OMP_NUM_THREADS")}
     with open(os.path.join(cfg.out, f"{cfg.i}.json"), "w") as f:
@@ -87,3 +89,33 @@ def test_bad_launcher_settings_fail_before_any_run(tmp_path):
     assert r.returncode != 0
     assert "hydra.launcher.n_jobs=0: must be >= 1" in r.stderr
     assert not list(tmp_path.glob("*/meta.json"))
+
+
+@pytest.mark.slow
+def test_killing_the_driver_stops_its_workers(tmp_path):
+    """SIGKILL the sweep's driver while its jobs run: the workers die with it (no orphaned runs
+    competing for the cores)."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "app.py").write_text(APP)
+    cmd = [sys.executable, "app.py", "-m", "hydra/launcher=local", "+i=0,1", "+fail=-1",
+           "+sleep=60", f"+out={tmp_path}", f"hydra.sweep.dir={tmp_path}/sweep"]  # fmt: skip
+    driver = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.DEVNULL)
+    pids = [tmp_path / f"{i}.pid" for i in (0, 1)]
+    deadline = time.time() + 60
+    while not all(p.exists() for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    workers = [int(p.read_text()) for p in pids]
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    time.sleep(2.0)
+    alive = []
+    for pid in workers:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    assert not alive, f"workers {alive} outlived the driver"

@@ -11,8 +11,10 @@ other jobs have run.
     python -m harness.train -m seed=0,1 hydra.launcher.n_jobs=1 hydra.launcher.threads=2
 """
 
+import ctypes
 import logging
 import os
+import signal
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -42,8 +44,20 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def _init_worker(threads: int) -> None:
+def _init_worker(threads: int, parent: int) -> None:
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+    _die_with(parent)
+
+
+def _die_with(parent: int) -> None:
+    """SIGTERM this worker when the driver dies (Linux), so a killed sweep leaves no runs
+    behind; a run so stopped resumes from its checkpoints when the sweep is launched again."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):  # not Linux: workers then finish their current job
+        return
+    if os.getppid() != parent:  # the driver died before the prctl
+        os._exit(1)
 
 
 def _run(payload: bytes) -> JobReturn:
@@ -93,5 +107,5 @@ class LocalLauncher(Launcher):
             )
         ctx = get_context("spawn")  # no fork of a process whose OpenMP pool is running
         with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(self.threads,)) as pool:  # fmt: skip
+                                 initargs=(self.threads, os.getpid())) as pool:  # fmt: skip
             return list(pool.map(_run, payloads))
