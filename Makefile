@@ -36,16 +36,22 @@ test-recipe: $(STAMP)  ## rebuild the default task model from its recipe and che
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~35 min on 2 cores)
+bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~90 min on 2 cores)
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	mkdir -p results/bench
 	$(PY) benchmarks/bench_score.py --rounds 3
 	$(PY) benchmarks/bench_noise.py
 	$(PY) benchmarks/bench_objectives.py
 	$(PY) benchmarks/bench_measure.py | tee results/bench/measure.txt
-	$(PY) benchmarks/bench_step.py --model tiny --pairs 9
-	$(PY) benchmarks/bench_step.py --model task-model --pairs 9
-	$(PY) benchmarks/bench_step.py --model smollm2-135m --pairs 4
+	$(PY) benchmarks/bench_step.py --model tiny --pairs 9 --variants loop,noprune,recompute
+	$(PY) benchmarks/bench_step.py --model task-model --pairs 9 --variants loop,noprune,recompute
+	$(PY) benchmarks/bench_step.py --model smollm2-135m --pairs 5 --variants loop
+	$(PY) benchmarks/bench_step.py --model tiny --work eos --pairs 9 --variants loop,noprune
+	$(PY) benchmarks/bench_step.py --model task-model --work eos --task countdown --pairs 9 --variants loop,noprune
+	$(PY) benchmarks/bench_step.py --model task-model --work eos --task arithmetic --pairs 9 --variants loop,noprune
+	$(PY) benchmarks/bench_step.py --model smollm2-135m --work eos --prompts 8 --group 4 --pairs 5 --variants loop,noprune
+	$(PY) benchmarks/bench_sweep.py --steps 60 --rounds 3
+	$(PY) benchmarks/bench_run.py --before 328f94f --steps 300
 	$(PY) benchmarks/bench_flops.py --pairs 5
 
 figures: $(STAMP)  ## every figure from the committed CSVs under results/ (< 2 min)

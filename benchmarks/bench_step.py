@@ -71,7 +71,7 @@ class Work:
     task: Any
 
 
-def work_for(kind: str, task_name: str) -> Work:
+def work_for(kind: str, task_name: str, prompts: int | None = None, group: int | None = None):
     from harness.config import RolloutCfg
     from harness.tasks import TASKS
     from harness.warmstart import resolve_recipe
@@ -80,7 +80,7 @@ def work_for(kind: str, task_name: str) -> Work:
     if kind == "fixed":
         return Work(8, 4, 32, False, arithmetic(digits=2, ops="+-"))
     r = RolloutCfg()
-    return Work(r.prompts_per_step, r.group_size, r.max_new_tokens, True, task)
+    return Work(prompts or r.prompts_per_step, group or r.group_size, r.max_new_tokens, True, task)
 
 
 EPS_LOW, EPS_HIGH, LR, CLIP = 0.2, 0.28, 1e-6, 1.0
@@ -276,6 +276,10 @@ def main() -> None:
         "training config (16 × 8, 24 tokens), EOS on, the task's own answer lengths",
     )
     ap.add_argument("--task", default="arithmetic", choices=("arithmetic", "countdown"))
+    ap.add_argument(
+        "--prompts", type=int, default=None, help="eos work: prompts per step (default 16)"
+    )
+    ap.add_argument("--group", type=int, default=None, help="eos work: group size (default 8)")
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
@@ -293,8 +297,10 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
 
-    work = work_for(a.work, a.task)
+    work = work_for(a.work, a.task, a.prompts, a.group)
     label = a.model + ("" if a.work == "fixed" else f"_eos_{a.task}")
+    if a.work == "eos" and (a.prompts or a.group):
+        label += f"_{work.prompts}x{work.group}"
     base, tok, prefix = load(a.model, a.task)
     steps = a.warmup + a.pairs
     problems = work.task.sample(work.prompts * steps, "train", 0)
