@@ -9,7 +9,8 @@ from analysis.common import set_theme
 from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "collapse_reject_vs_clamp"
-ARMS = ["reject (mask [0.5, 2])", "trust-unbounded (raw r)", "clamp (CISPO [0.5, 2])"]
+ARMS = ["reject (band [0.5, 2])", "reject (mask [0.5, 2])", "trust-unbounded (raw r)"]
+ARMS += ["clamp (CISPO [0.5, 2])"]
 ARMS += ["shrink (snr_shrink)"]
 PANELS = [  # column, title, y label
     ("eval_acc", "Held-out accuracy", "accuracy (128 problems)"),

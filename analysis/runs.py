@@ -42,7 +42,12 @@ def arm_label(exp: str, cfg: dict) -> str:
     if exp == "collapse_reject_vs_clamp":
         if obj == "cispo":
             return "trust-unbounded (raw r)" if kw["hi"] >= 1e6 else "clamp (CISPO [0.5, 2])"
-        return {"mis": "reject (mask [0.5, 2])", "snr_shrink": "shrink (snr_shrink)"}.get(obj, obj)
+        names = {
+            "band": "reject (band [0.5, 2])",  # the matched arm (issue 16)
+            "mis": "reject (mask [0.5, 2])",  # the committed runs' reject arm: PPO base + mask
+            "snr_shrink": "shrink (snr_shrink)",
+        }
+        return names.get(obj, obj)
     if exp == "fp8_entropy_surge":
         if cfg["noise"]["name"] == "none":
             return "high precision"

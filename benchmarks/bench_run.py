@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start(cwd: Path, out: Path, steps: int, seed: int, threads: int) -> subprocess.Popen:
+    # eval_n=256: the default before issue 16's fixed 512-problem eval set, so both do the same
     cmd = [sys.executable, "-m", "harness.train", "task=countdown", f"steps={steps}",
-           f"seed={seed}", "progress=false", f"out={out}"]  # fmt: skip
+           f"seed={seed}", "eval_n=256", "progress=false", f"out={out}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(cwd)}
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -98,7 +99,7 @@ def main() -> None:
             if subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode
             else ""
         ),  # fmt: skip
-        "run": f"python -m harness.train task=countdown steps={a.steps} seed={a.seed}",
+        "run": f"python -m harness.train task=countdown steps={a.steps} seed={a.seed} eval_n=256",
         "threads": a.threads,
         "concurrent": True,
         "pairs": pairs,

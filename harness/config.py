@@ -92,7 +92,10 @@ class TrainConfig:
     guard: GuardCfg = field(default_factory=GuardCfg)
     distill: DistillCfg = field(default_factory=DistillCfg)
     eval_every: int = 25
-    eval_n: int = 256
+    eval_n: int = 512
+    # the evaluation set (problems and sampling seed) is fixed per task, independent of `seed`,
+    # so seed-to-seed variance is the training's, not the eval set's difficulty
+    eval_seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     progress: bool = True

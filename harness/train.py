@@ -247,16 +247,16 @@ def check_collapse(guard: dict, m: dict, g) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate(engine: Engine, task: Task, problems, cfg: DictConfig) -> float:
-    """Accuracy on the held-out split: one sample per problem at the rollout temperature, from
-    the trainer's current weights (clean numerics), fixed seed; nan when the weights give a
-    non-finite distribution (the next rollout then aborts the run)."""
+    """Accuracy on the fixed held-out set: one sample per problem at the rollout temperature,
+    from the trainer's current weights (clean numerics), seed `eval_seed`; nan when the weights
+    give a non-finite distribution (the next rollout then aborts the run)."""
     try:
         ro = engine.generate(
             [p.prompt for p in problems],
             n=1,
             max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature,
-            seed=cfg.seed,
+            seed=cfg.eval_seed,
         )
     except FloatingPointError as e:
         print(f"[train] eval skipped: {e}", flush=True)
@@ -503,7 +503,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         update_meta(run_dir, config_overrides=[*history, {"from_step": start, "changed": changed}])
     s.sampler.load_weights_from_state(s.history.behaviour())
     update_meta(run_dir, resumed_from_step=start - 1)
-    eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.seed)
+    eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.eval_seed)
     sampling = Sampling(cfg.rollout.group_size, cfg.rollout.max_new_tokens,
                         cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)  # fmt: skip
     calibrated = hasattr(s.objective, "calibrate")

@@ -155,6 +155,24 @@ def test_launchers_compose(tmp_path):
     with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
         cfg = compose("train", ["hydra/launcher=submitit_local"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("LocalLauncher")
+    assert cfg.hydra.launcher.cpus_per_task is None  # submitit's own local launcher
+    with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
+        cfg = compose("train", [], return_hydra_config=True)  # the default: one run per core
+    assert cfg.hydra.launcher._target_ == "hydra_plugins.ratiolab_launcher.LocalLauncher"
+    assert cfg.hydra.launcher.threads == 1 and cfg.hydra.launcher.n_jobs is None
+    with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
+        cfg = compose("train", ["hydra/launcher=slurm"], return_hydra_config=True)
+    assert cfg.hydra.launcher.cpus_per_task == 1
+
+
+@pytest.mark.parametrize("noise", ["logit", "layer", "batch", "routing"])
+def test_the_noise_field_follows_the_run_seed(noise, tmp_path):
+    """Arms paired by seed share a noise field; different seeds draw different fields (the
+    noise seed was fixed at 0 for every run before issue 16); noise.seed=<n> still pins it."""
+    with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
+        a = compose("train", [f"noise={noise}", "seed=3", f"out={tmp_path}"])
+        b = compose("train", [f"noise={noise}", "seed=3", "noise.seed=7", f"out={tmp_path}"])
+    assert a.noise.seed == 3 and b.noise.seed == 7
 
 
 @pytest.mark.parametrize(

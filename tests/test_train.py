@@ -233,6 +233,21 @@ def test_the_reused_training_pass_is_pi_old_row_for_row(tmp_path, alternating_re
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6, nan_ok=True), k
 
 
+def test_the_eval_set_is_the_same_for_every_training_seed(tmp_path, monkeypatch):
+    """One fixed evaluation set per task (problems and sampling seed `eval_seed`), whatever
+    the run's seed: seed-to-seed differences in eval accuracy are the training's."""
+    seen = {}
+
+    def spy(engine, task, problems, cfg):
+        seen.setdefault(cfg.seed, []).append([p.prompt for p in problems])
+        return 0.0
+
+    monkeypatch.setattr(train, "evaluate", spy)
+    for seed in (0, 1):
+        train.run(_cfg(tmp_path / str(seed), "steps=2", f"seed={seed}", "eval_n=8"))
+    assert seen[0] == seen[1] and len(seen[0][0]) == 8
+
+
 def test_copy_exit_mass_by_hand():
     """One response 1 2 1 2 1 2: period 2, first copies at positions 2, 3 (tokens 1, 2). Teacher
     puts p = 0.5 on each copy token, student q = 0.75: R = (0.25 + 0.25) / (0.5 + 0.5) = 0.5."""
