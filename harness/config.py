@@ -96,6 +96,7 @@ class TrainConfig:
     # the evaluation set (problems and sampling seed) is fixed per task, independent of `seed`,
     # so seed-to-seed variance is the training's, not the eval set's difficulty
     eval_seed: int = 0
+    mechanism_batches: int = 2  # rollout batches `python -m harness.mechanism` scores at step 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     progress: bool = True

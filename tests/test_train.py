@@ -470,3 +470,39 @@ def test_cli_run_shows_reward_and_entropy_and_writes_no_empty_log(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "reward=" in r.stderr and "entropy=" in r.stderr and "mean=" not in r.stderr
     assert not list(tmp_path.rglob("*.log"))
+
+
+def test_mechanism_check_by_hand():
+    """Four tokens, band [0.5, 2], ε = 0.2/0.28: r = 0.4 (fork, A < 0), 1.0 (fork, A > 0),
+    2.5 (confident, A > 0), 0.7 (confident, A < 0); the fifth position is padding."""
+    from harness.mechanism import check
+
+    x = torch.log(torch.tensor([[0.4, 1.0, 2.5, 0.7, 9.0]]))
+    p_t = torch.tensor([[0.2, 0.4, 0.9, 0.95, 0.1]])
+    adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    out = check(x, p_t, adv, mask)
+    assert out["oob_frac"] == pytest.approx(2 / 4)  # 0.4 and 2.5
+    assert out["fork_oob_share"] == pytest.approx(1 / 2)  # 0.4 is a fork, 2.5 is not
+    assert out["fork_frac"] == pytest.approx(2 / 4)
+    assert out["forks_deleted"] == pytest.approx(1 / 2)
+    assert out["neg_low_clip"] == pytest.approx(2 / 2)  # 0.4 and 0.7 < 0.8, both A < 0
+    assert out["pos_high_clip"] == pytest.approx(1 / 2)  # 2.5 > 1.28; 1.0 is not
+
+
+def test_mechanism_check_sees_no_mechanism_without_noise_and_some_with_it(
+    tmp_path, alternating_reward
+):
+    """Ground truth the harness controls: with no noise r ≡ 1 (nothing out of band, nothing
+    clipped); heavy logit noise puts tokens out of band and clips negative-advantage ones."""
+    from harness import mechanism
+
+    clean = mechanism.run(_cfg(tmp_path / "a", "objective=cispo"))
+    assert clean["oob_frac"] == 0 and clean["neg_low_clip"] == 0 and clean["pos_high_clip"] == 0
+    assert clean["band"] == [1e-300, 5.0] and clean["n_tokens"] > 0
+    noisy = mechanism.run(
+        _cfg(tmp_path / "b", "objective=band", "noise=logit", "noise.sigma=2.0", "noise.nu=3")
+    )
+    assert noisy["band"] == [0.7, 6.0]
+    assert noisy["oob_frac"] > 0.05 and noisy["neg_low_clip"] > 0.05
+    assert 0 <= noisy["fork_oob_share"] <= 1 and 0 <= noisy["sampler_reward"] <= 1

@@ -1,0 +1,143 @@
+"""Mechanism check (issue 16, item 1): is the mechanism an experiment tests acting at step 0?
+
+A null result means something only where its mechanism was present. Before any update
+(θ = θ_old), with the run's own sampler μ (its noise), trainer, task and rollout config, this
+scores `batches` rollout batches and reports, on r = π_old/μ:
+
+  oob_frac          share of response tokens with r outside the band [lo, hi]
+  fork_oob_share    share of those out-of-band tokens that are forks (trainer p_t < 0.5)
+  forks_deleted     share of fork tokens a reject rule with this band deletes
+  neg_low_clip      share of A < 0 tokens with r < 1 − ε_low: what the PPO lower bound clips
+                    when π_old := μ (the FP8 mechanism of seed 002)
+  pos_high_clip     share of A > 0 tokens with r > 1 + ε_high
+  sampler_reward    μ's own mean reward (β so large that μ earns nothing is past usable)
+
+The band is the objective's `lo`/`hi` when it has them, else [0.5, 2]; ε the objective's
+`eps_low`/`eps_high`, else 0.2/0.28.
+
+    python -m harness.mechanism experiment=collapse_reject_vs_clamp [mechanism_batches=4]
+
+writes `mechanism.json` into the run's directory (the one `harness.train` would use) and prints it.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from harness import config as _config  # noqa: F401  (registers train_schema)
+from harness.diagnostics import BAND, FORK_P, fork_oob_share, out_of_band, out_of_band_frac
+from harness.io import write_json_atomic
+from harness.step import Sampling, collect
+
+EPS = (0.2, 0.28)
+
+
+def _share(hit: Tensor, among: Tensor) -> float:
+    n = int(among.sum())
+    return float((hit & among).sum()) / n if n else float("nan")
+
+
+def check(
+    x: Tensor,
+    p_t: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    band: tuple[float, float] = BAND,
+    eps: tuple[float, float] = EPS,
+) -> dict[str, float]:
+    """The step-0 numbers on the log-ratio x = log π_old − log μ ([B, T]), the trainer's p_t,
+    the per-token advantages and the response mask."""
+    m = mask.bool()
+    fork = m & (p_t < FORK_P)
+    return {
+        "oob_frac": out_of_band_frac(x, mask, band),
+        "fork_oob_share": fork_oob_share(x, p_t, mask, band),
+        "fork_frac": _share(fork, m),
+        "forks_deleted": _share(out_of_band(x, band), fork),
+        "neg_low_clip": _share(x < math.log1p(-eps[0]), m & (adv < 0)),
+        "pos_high_clip": _share(x > math.log1p(eps[1]), m & (adv > 0)),
+    }
+
+
+def band_and_eps(objective: DictConfig) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The objective's band and ε: its node's values, else its builder's defaults (the group
+    files hold only the name), else [0.5, 2] and 0.2/0.28."""
+    import inspect
+
+    from harness.objectives import OBJECTIVES
+
+    params = inspect.signature(OBJECTIVES[objective.name]).parameters
+    kw = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    kw.update({k: v for k, v in objective.items() if k != "name"})
+    lo, hi = float(kw.get("lo", BAND[0])), float(kw.get("hi", BAND[1]))
+    band = (max(lo, 1e-300), hi)  # lo = 0: no lower bound
+    eps_low, eps_high = kw.get("eps_low"), kw.get("eps_high")
+    eps = (
+        EPS[0] if eps_low is None else float(eps_low),
+        EPS[1] if eps_high is None else float(eps_high),
+    )
+    return band, eps
+
+
+@torch.no_grad()
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Build the run's setup (harness.train), score `cfg.mechanism_batches` rollout batches at
+    θ = θ_old and return the token-weighted check plus the sampler's reward."""
+    from harness.launch import check_nodes
+    from harness.train import build_setup, validate
+
+    validate(cfg)
+    check_nodes(cfg)
+    if cfg.mechanism_batches < 1:
+        raise ValueError(f"mechanism_batches={cfg.mechanism_batches}: must be >= 1")
+    s = build_setup(cfg)
+    r = cfg.rollout
+    sampling = Sampling(r.group_size, r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    band, eps = band_and_eps(cfg.objective)
+    parts, rewards = [], []
+    for i in range(cfg.mechanism_batches):
+        seed = cfg.seed * 1_000_003 + 1 + i  # the run's own first prompts and samples
+        problems = s.task.sample(r.prompts_per_step, "train", seed)
+        reward = partial(s.task.rollout_rewards, problems, tokenizer=s.tok)
+        batch, _, rew = collect(
+            s.sampler, s.policy, [p.prompt for p in problems], reward, sampling, seed=seed,
+            advantage=cfg.advantage, mask_replay=cfg.engine.mask_replay,
+        )  # fmt: skip
+        x = batch.logp_recompute - batch.logp_mu
+        parts.append((x, batch.p_t, batch.advantages, batch.mask))
+        rewards.append(rew)
+    s.sampler.close()
+    x, p_t, adv, mask = (torch.cat([p[k].flatten() for p in parts])[None] for k in range(4))
+    out = check(x, p_t, adv, mask, band, eps)
+    return {
+        **out,
+        "sampler_reward": float(torch.cat(rewards).mean()),
+        "n_tokens": int(mask.sum()),
+        "band": list(band),
+        "eps": list(eps),
+        "batches": cfg.mechanism_batches,
+    }
+
+
+CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
+
+
+@hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    out = run(cfg)
+    path = write_json_atomic(Path(cfg.out) / "mechanism.json", out)
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()))
+    print(f"[mechanism] wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
