@@ -73,14 +73,18 @@ def prune_floor() -> int:
     return 16 if torch.get_num_threads() == 1 else 64
 
 
-def keep_rows(live: Tensor, floor: int) -> Tensor:
-    """[n] bool: the live rows, topped up with finished ones (the first) to `floor` rows."""
-    short = floor - int(live.sum())
+def keep_rows(live: Tensor, floor: int, padded: Tensor | None = None) -> Tensor:
+    """[n] bool: the live rows, topped up with finished ones (the first) to `floor` rows, and
+    with one left-padded row (of `padded`, [n] bool) when the batch had one: transformers drops
+    the attention mask of a batch without padding and then runs another SDPA kernel, whose last
+    bits differ (tests/test_engines.py)."""
+    keep = live.clone()
+    short = floor - int(keep.sum())
     if short > 0:
-        filler = (~live).nonzero()[:short, 0]
-        live = live.clone()
-        live[filler] = True
-    return live
+        keep[(~keep).nonzero()[:short, 0]] = True
+    if padded is not None and bool(padded.any()) and not bool((keep & padded).any()):
+        keep[padded.nonzero()[0, 0]] = True
+    return keep
 
 
 def gather_rows(x: Tensor, inv: Tensor) -> Tensor:
@@ -258,7 +262,8 @@ class Engine:
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             if prune and len(live) > floor and bool(done[live].any()):
-                sel = keep_rows(~done[live], floor).nonzero()[:, 0]
+                padded = None if lean is not None else ~prompt_mask[live].bool().all(1)
+                sel = keep_rows(~done[live], floor, padded).nonzero()[:, 0]
                 live = live[sel]
                 logits, attn, ids, h = logits[sel], attn[sel], ids[sel], h[sel]
                 if lean is not None:

@@ -484,3 +484,46 @@ def test_gather_rows_equals_index_select_with_its_gradient(inv):
         y.backward(g)
         grads.append((y.detach(), x.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_keep_rows_tops_up_to_the_floor_and_keeps_a_padded_row():
+    from harness.engines import keep_rows
+
+    live = torch.tensor([True, False, False, True, False])
+    assert keep_rows(live, 1).tolist() == live.tolist()
+    assert keep_rows(live, 3).tolist() == [True, True, False, True, False]
+    padded = torch.tensor([False, False, True, False, True])
+    assert keep_rows(live, 1, padded).tolist() == [True, False, True, True, False]
+
+
+def test_hf_decode_on_a_pruned_cache_equals_the_full_batch_while_a_padded_row_stays(tiny_llama):
+    """The premise of keeping one padded row on the HF path: 20 unpadded + 20 left-padded rows,
+    one decode step after pruning to 20 rows. With a padded row kept the live rows' logits equal
+    the full batch's bit for bit (with only unpadded rows transformers drops the mask and the
+    bits moved by 9e-8 on this machine: why `keep_rows` keeps one)."""
+    from transformers import DynamicCache
+
+    from harness.engines import position_ids
+
+    model, tok = tiny_llama
+    ids, attn = Engine(model, tok).encode_prompts(["a much longer prompt here"] * 20 + ["x"] * 20)
+
+    def step(rows):
+        c = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), cache=c)
+            c.reorder_cache(rows)
+            a = torch.cat([attn[rows], torch.ones(len(rows), 1, dtype=attn.dtype)], 1)
+            return model(
+                input_ids=torch.full((len(rows), 1), 5), attention_mask=a, cache=c,
+                position_ids=position_ids(a)[:, -1:], logits_to_keep=1,
+            ).logits[:, -1]  # fmt: skip
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the floor of one thread: 20 rows ≥ 16
+    try:
+        full = step(torch.arange(40))
+        with_pad = torch.cat([torch.arange(18), torch.tensor([30, 31])])
+        assert torch.equal(step(with_pad), full[with_pad])
+    finally:
+        torch.set_num_threads(before)
