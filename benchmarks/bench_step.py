@@ -76,9 +76,9 @@ def work_for(kind: str, task_name: str, prompts: int | None = None, group: int |
     from harness.tasks import TASKS
     from harness.warmstart import resolve_recipe
 
-    task = TASKS[task_name](**resolve_recipe(task_name)["task_kwargs"])
     if kind == "fixed":
         return Work(8, 4, 32, False, arithmetic(digits=2, ops="+-"))
+    task = TASKS[task_name](**resolve_recipe(task_name)["task_kwargs"])
     r = RolloutCfg()
     return Work(prompts or r.prompts_per_step, group or r.group_size, r.max_new_tokens, True, task)
 

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hydra_plugins.ratiolab_launcher import cores as launcher_cores
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,7 +44,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="results/bench/sweep.json")
     a = ap.parse_args()
-    cores = len(os.sched_getaffinity(0))
+    cores = launcher_cores()
     settings = {"per_core": (cores, 1), "all_threads": (1, cores)}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,7 +35,7 @@ from torch import Tensor
 from harness import config as _config  # noqa: F401  (registers train_schema)
 from harness.diagnostics import BAND, FORK_P, fork_oob_share, out_of_band, out_of_band_frac
 from harness.io import write_json_atomic
-from harness.step import Sampling, collect
+from harness.step import collect
 
 EPS = (0.2, 0.28)
 
@@ -91,21 +91,16 @@ def band_and_eps(objective: DictConfig) -> tuple[tuple[float, float], tuple[floa
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Build the run's setup (harness.train), score `cfg.mechanism_batches` rollout batches at
     θ = θ_old and return the token-weighted check plus the sampler's reward."""
-    from harness.launch import check_nodes
-    from harness.train import build_setup, validate
+    from harness.train import build_setup, rollout_sampling, step_seed, validate
 
-    validate(cfg)
-    check_nodes(cfg)
-    if cfg.mechanism_batches < 1:
-        raise ValueError(f"mechanism_batches={cfg.mechanism_batches}: must be >= 1")
+    validate(cfg)  # every config check, the swept-axis nodes and mechanism_batches included
     s = build_setup(cfg)
-    r = cfg.rollout
-    sampling = Sampling(r.group_size, r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    sampling = rollout_sampling(cfg)
     band, eps = band_and_eps(cfg.objective)
     parts, rewards = [], []
-    for i in range(cfg.mechanism_batches):
-        seed = cfg.seed * 1_000_003 + 1 + i  # the run's own first prompts and samples
-        problems = s.task.sample(r.prompts_per_step, "train", seed)
+    for step in range(1, cfg.mechanism_batches + 1):
+        seed = step_seed(cfg, step)  # the run's own first prompts and samples
+        problems = s.task.sample(cfg.rollout.prompts_per_step, "train", seed)
         reward = partial(s.task.rollout_rewards, problems, tokenizer=s.tok)
         batch, _, rew = collect(
             s.sampler, s.policy, [p.prompt for p in problems], reward, sampling, seed=seed,

@@ -304,6 +304,7 @@ def validate(cfg: DictConfig) -> None:
         ("keep_checkpoints", cfg.keep_checkpoints, cfg.keep_checkpoints >= 1, ">= 1"),
         ("eval_n", cfg.eval_n, cfg.eval_n >= 1 or not cfg.eval_every, ">= 1 when eval_every > 0"),
         ("optim.lr", cfg.optim.lr, cfg.optim.lr > 0, "> 0"),
+        ("mechanism_batches", cfg.mechanism_batches, cfg.mechanism_batches >= 1, ">= 1"),
     ]  # fmt: skip
     for key, value, ok, valid in checks:
         if not ok:
@@ -486,6 +487,16 @@ def step_metrics(step, batch, ro, rewards, reps, updates, skipped, guard, cfg) -
     return m | check_collapse(guard, m, cfg.guard)
 
 
+def step_seed(cfg: DictConfig, step: int) -> int:
+    """The seed of step `step`'s prompts and samples (harness.mechanism scores steps 1, 2, ...)."""
+    return cfg.seed * 1_000_003 + step
+
+
+def rollout_sampling(cfg: DictConfig) -> Sampling:
+    r = cfg.rollout
+    return Sampling(r.group_size, r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     validate(cfg)
     run_dir = Path(cfg.out)
@@ -504,14 +515,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     s.sampler.load_weights_from_state(s.history.behaviour())
     update_meta(run_dir, resumed_from_step=start - 1)
     eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.eval_seed)
-    sampling = Sampling(cfg.rollout.group_size, cfg.rollout.max_new_tokens,
-                        cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)  # fmt: skip
+    sampling = rollout_sampling(cfg)
     calibrated = hasattr(s.objective, "calibrate")
     nonfinite_run, last = 0, {}
     bar = tqdm(range(start, cfg.steps + 1), desc="train", disable=not cfg.progress)
     for step in bar:
         t0 = time.time()
-        seed = cfg.seed * 1_000_003 + step
+        seed = step_seed(cfg, step)
         problems = s.task.sample(cfg.rollout.prompts_per_step, "train", seed)
         if s.old_policy is not None and s.old_policy is not s.policy:
             s.old_policy.load_weights_from_state(s.history.behaviour())

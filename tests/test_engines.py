@@ -1,3 +1,4 @@
+import contextlib
 import copy
 
 import pytest
@@ -350,19 +351,28 @@ def test_sample_rows_draws_what_torch_multinomial_draws(V):
         assert torch.equal(got, ref[sub])
 
 
+@contextlib.contextmanager
+def _threads(n: int):
+    """Run the block at `n` intra-op threads (the pruning floor depends on them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _pruned_and_full(eng, prompts, threads=1, **kw):
     """The same rollout with finished rows leaving the decode batch and with every row kept, at
-    `threads` intra-op threads (the pruning floor depends on them)."""
+    `threads` intra-op threads."""
     assert eng._can_prune()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a = eng.generate(prompts, **kw)
-        eng._can_prune = lambda: False
-        b = eng.generate(prompts, **kw)
-    finally:
-        eng.__dict__.pop("_can_prune", None)
-        torch.set_num_threads(before)
+    with _threads(threads):
+        try:
+            a = eng.generate(prompts, **kw)
+            eng._can_prune = lambda: False
+            b = eng.generate(prompts, **kw)
+        finally:
+            eng.__dict__.pop("_can_prune", None)
     return a, b
 
 
@@ -454,9 +464,7 @@ def test_gemm_rows_do_not_depend_on_the_batch_size_above_the_prune_floor(threads
 
     from harness.engines import prune_floor
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         floor, g = prune_floor(), torch.Generator().manual_seed(0)
         for K, N in [(192, 99), (192, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]:
             M = 2 * floor + 8
@@ -464,8 +472,6 @@ def test_gemm_rows_do_not_depend_on_the_batch_size_above_the_prune_floor(threads
             full = F.linear(x, w)
             for m in range(floor, M):
                 assert torch.equal(F.linear(x[:m].contiguous(), w), full[:m]), (K, N, m)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("inv", [[0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 0, 2, 1, 2, 0, 2, 1]])
@@ -519,11 +525,7 @@ def test_hf_decode_on_a_pruned_cache_equals_the_full_batch_while_a_padded_row_st
                 position_ids=position_ids(a)[:, -1:], logits_to_keep=1,
             ).logits[:, -1]  # fmt: skip
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the floor of one thread: 20 rows ≥ 16
-    try:
+    with _threads(1):  # the floor of one thread: 20 rows ≥ 16
         full = step(torch.arange(40))
         with_pad = torch.cat([torch.arange(18), torch.tensor([30, 31])])
         assert torch.equal(step(with_pad), full[with_pad])
-    finally:
-        torch.set_num_threads(before)

@@ -338,6 +338,7 @@ def test_checkpoints_hold_only_tensors_and_plain_containers(tmp_path):
         ("engine.trainer_dtype=int8", "engine.trainer_dtype"),
         ("engine.sampler_attention=flash", "engine.sampler_attention"),
         ("optim.lr=0", "optim.lr"),
+        ("mechanism_batches=0", "mechanism_batches"),
         ("model.spec=smollm3", "model.spec"),
         ("task=jsonl", "task.path"),
         ("objective.eps_hgh=0.3", "eps_hgh"),
