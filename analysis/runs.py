@@ -51,6 +51,9 @@ def arm_label(exp: str, cfg: dict) -> str:
     if exp == "fp8_entropy_surge":
         if cfg["noise"]["name"] == "none":
             return "high precision"
+        if cfg["noise"]["name"] == "logit" and obj == "ppo_clip":  # the β stand-in (issue 16)
+            recomputed = cfg["engine"]["logp_old_source"] == "trainer"
+            return f"π_old {'recomputed' if recomputed else ':= μ'} (std clip)"
         if cfg["noise"].get("fmt") == "e5m2":  # the stress arm: E5M2 weights + activations
             return "FP8 E5M2 W8A8 (std clip)"
         names = {"tis": "FP8 + TIS", "cis": "FP8 + CIS", "calibrated_clip": "FP8 + calibrated"}
@@ -88,6 +91,43 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
             recipe_hash=model.get("recipe_hash"),
         ))  # fmt: skip
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+MECHANISM = ["oob_frac", "fork_oob_share", "fork_frac", "forks_deleted", "neg_low_clip",
+             "pos_high_clip", "sampler_reward", "n_tokens"]  # fmt: skip
+
+
+def load_mechanism(root: Path, exp: str) -> pd.DataFrame:
+    """One row per run folder of `exp` holding a mechanism.json (training runs write one before
+    step 1; `python -m harness.mechanism -m` sweeps write only that): arm, seed, noise and the
+    step-0 numbers."""
+    rows = []
+    for path in sorted((root / exp).glob("*/mechanism.json")):
+        cfg = yaml.safe_load((path.parent / "config.yaml").read_text())
+        m = json.loads(path.read_text())
+        noise = cfg["noise"]
+        rows.append({
+            "run": path.parent.name, "arm": arm_label(exp, cfg), "seed": cfg["seed"],
+            "noise": noise["name"], "sigma": noise.get("sigma"), "nu": noise.get("nu"),
+            "fmt": noise.get("fmt"), "activations": noise.get("activations"),
+            "trained": (path.parent / "metrics.jsonl").exists(),
+            **{k: m.get(k) for k in MECHANISM},
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def load_prereg(root: Path, exp: str) -> dict:
+    """The pre-registration (`prereg` node) the training runs of `exp` were made under; {} when
+    they carry none; raises when two runs carry different ones."""
+    seen: dict[str, list[str]] = {}
+    for run in sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl")):
+        prereg = yaml.safe_load((run / "config.yaml").read_text()).get("prereg") or {}
+        seen.setdefault(yaml.safe_dump(prereg, sort_keys=True), []).append(run.name)
+    if len(seen) > 1:
+        groups = "; ".join(f"{len(v)} runs like {v[0]}" for v in seen.values())
+        raise ValueError(f"{root / exp}: runs made under different pre-registrations ({groups}); "
+                         "move the stale runs out before summarising")  # fmt: skip
+    return yaml.safe_load(next(iter(seen))) if seen else {}
 
 
 def load_summary(root: Path, exp: str) -> pd.DataFrame:

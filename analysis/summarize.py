@@ -3,7 +3,10 @@
     python -m analysis.summarize collapse_reject_vs_clamp fp8_entropy_surge ...  [--results DIR]
 
 Per-step rows (run × step, selected metrics, arm/seed/config columns); runs that did not reach
-their configured `steps` are kept and flagged `complete = False` (the figures drop them).
+their configured `steps` are kept and flagged `complete = False` (the figures drop them). Beside
+it: `mechanism.csv` (every run's step-0 mechanism check, one row per run, mechanism-only runs
+included) and `prereg.yaml` (the pre-registration the runs were made under; runs that disagree
+on it are an error, not a merge).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import argparse
 import os
 from pathlib import Path
 
-from analysis.runs import load_raw
+import yaml
+
+from analysis.runs import load_mechanism, load_prereg, load_raw
 
 EXPERIMENTS = [
     "collapse_reject_vs_clamp", "fp8_entropy_surge", "opsd_repetition", "nsr_vs_decay",
@@ -26,7 +31,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--results", default=os.environ.get("RATIOLAB_RESULTS", "results"))
     a = p.parse_args(argv)
     for exp in a.experiments:
-        df = load_raw(Path(a.results), exp)
+        root = Path(a.results)
+        mech = load_mechanism(root, exp)
+        if not mech.empty:
+            mech.to_csv(root / exp / "mechanism.csv", index=False, float_format="%.5g")
+        prereg = load_prereg(root, exp)
+        if prereg:
+            (root / exp / "prereg.yaml").write_text(yaml.safe_dump(prereg, sort_keys=False))
+        df = load_raw(root, exp)
         if df.empty:
             print(f"[summarize] {exp}: no runs")
             continue

@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start(cwd: Path, out: Path, steps: int, seed: int, threads: int) -> subprocess.Popen:
-    # eval_n=256: the default before issue 16's fixed 512-problem eval set, so both do the same
+    # eval_n=256, 24 tokens, no mechanism check: the defaults before issue 16 (its fixed
+    # 512-problem eval set, the task's own token budget, mechanism.json), so both do the same
     cmd = [sys.executable, "-m", "harness.train", "task=countdown", f"steps={steps}",
-           f"seed={seed}", "eval_n=256", "progress=false", f"out={out}"]  # fmt: skip
+           f"seed={seed}", "eval_n=256", "rollout.max_new_tokens=24", "++mechanism_batches=0",
+           "progress=false", f"out={out}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(cwd)}
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -99,7 +101,8 @@ def main() -> None:
             if subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode
             else ""
         ),  # fmt: skip
-        "run": f"python -m harness.train task=countdown steps={a.steps} seed={a.seed} eval_n=256",
+        "run": f"python -m harness.train task=countdown steps={a.steps} seed={a.seed} eval_n=256 "
+        "rollout.max_new_tokens=24 ++mechanism_batches=0",
         "threads": a.threads,
         "concurrent": True,
         "pairs": pairs,

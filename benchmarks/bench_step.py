@@ -7,9 +7,10 @@
 
 Same work on both sides. `--work fixed` (issue 9): 8 prompts × 4 generations, 32 new tokens
 (EOS disabled on both, so every row is 32 tokens). `--work eos` (issue 15): the default training
-config's 16 prompts × 8, 24 new tokens, EOS on, so rows end at the task's own answer lengths and
-each side pays for finished rows and padding as it really does; the report gives the share of
-decode and trainer positions that are padding or finished rows. Both: T = 1, no top-k/top-p,
+config's 16 prompts × 8, the task's token budget, EOS on, so rows end at the task's own answer
+lengths and each side pays for finished rows and padding as it really does; the report gives
+the share of decode and trainer positions that are padding or finished rows. Both: T = 1, no
+top-k/top-p,
 `ppo_clip` with ε = 0.2/0.28 and token-mean aggregation (TRL: loss_type="dapo", beta=0,
 num_iterations=1), fp32, one AdamW step with grad-norm clip 1.0, no noise. TRL runs without
 gradient checkpointing (its default is on, which is slower), so the comparison is against TRL's
@@ -61,8 +62,8 @@ from harness.tasks import arithmetic
 @dataclass(frozen=True)
 class Work:
     """What both sides do per step. `fixed`: 8 prompts × 4, 32 tokens, EOS off (every row runs
-    32 tokens); `eos`: the default training config's 16 prompts × 8, 24 tokens, EOS on, so rows
-    finish at the task's own answer lengths (what a real run pays for)."""
+    32 tokens); `eos`: the default training config's 16 prompts × 8, the task's token budget,
+    EOS on, so rows finish at the task's own answer lengths (what a real run pays for)."""
 
     prompts: int
     group: int
@@ -80,7 +81,8 @@ def work_for(kind: str, task_name: str, prompts: int | None = None, group: int |
         return Work(8, 4, 32, False, arithmetic(digits=2, ops="+-"))
     task = TASKS[task_name](**resolve_recipe(task_name)["task_kwargs"])
     r = RolloutCfg()
-    return Work(prompts or r.prompts_per_step, group or r.group_size, r.max_new_tokens, True, task)
+    budget = r.max_new_tokens or task.max_new_tokens  # the loop's default: the task's own budget
+    return Work(prompts or r.prompts_per_step, group or r.group_size, budget, True, task)
 
 
 EPS_LOW, EPS_HIGH, LR, CLIP = 0.2, 0.28, 1e-6, 1.0
@@ -273,7 +275,7 @@ def main() -> None:
         default="fixed",
         choices=("fixed", "eos"),
         help="fixed: 8 prompts × 4, 32 tokens, EOS off (issue 9's work); eos: the default "
-        "training config (16 × 8, 24 tokens), EOS on, the task's own answer lengths",
+        "training config (16 × 8, the task's token budget), EOS on, the task's own answer lengths",
     )
     ap.add_argument("--task", default="arithmetic", choices=("arithmetic", "countdown"))
     ap.add_argument(

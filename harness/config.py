@@ -38,7 +38,9 @@ class EngineCfg:
 class RolloutCfg:
     prompts_per_step: int = 16
     group_size: int = 8  # G responses per prompt
-    max_new_tokens: int = 24
+    # None: the task's own budget (Task.max_new_tokens: enough for its longest reference
+    # solution and EOS); an int caps every rollout and evaluation at that many tokens
+    max_new_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -96,7 +98,13 @@ class TrainConfig:
     # the evaluation set (problems and sampling seed) is fixed per task, independent of `seed`,
     # so seed-to-seed variance is the training's, not the eval set's difficulty
     eval_seed: int = 0
-    mechanism_batches: int = 2  # rollout batches `python -m harness.mechanism` scores at step 0
+    # rollout batches the step-0 mechanism check scores (harness.mechanism; every run writes
+    # mechanism.json before step 1); 0: no check
+    mechanism_batches: int = 2
+    # an experiment's pre-registration, written into its preset before it runs (claim, seeds,
+    # arms, endpoints and tests); read by analysis/claims.py from the runs' config.yaml, and part
+    # of the resume contract, so it cannot change under a run
+    prereg: dict[str, Any] = field(default_factory=dict)
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     progress: bool = True
@@ -127,7 +135,7 @@ OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 # The swept-axis nodes and the warm-start recipe are open: their keys are the builders' keyword
 # arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked
 # against the builder's signature before any compute (harness.launch.check_nodes).
-OPEN_NODES = ("task", "noise", "objective", "aggregation", "model.warmstart")
+OPEN_NODES = ("task", "noise", "objective", "aggregation", "model.warmstart", "prereg")
 
 
 def schema() -> DictConfig:

@@ -88,14 +88,18 @@ def band_and_eps(objective: DictConfig) -> tuple[tuple[float, float], tuple[floa
 
 
 @torch.no_grad()
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
     """Build the run's setup (harness.train), score `cfg.mechanism_batches` rollout batches at
-    θ = θ_old and return the token-weighted check plus the sampler's reward."""
+    θ = θ_old and return the token-weighted check plus the sampler's reward. harness.train
+    calls it before step 1 of every run (its mechanism.json)."""
     from harness.train import build_setup, rollout_sampling, step_seed, validate
 
-    validate(cfg)  # every config check, the swept-axis nodes and mechanism_batches included
+    if not validated:
+        validate(cfg)  # every config check, the swept-axis nodes included
+    if cfg.mechanism_batches < 1:
+        raise ValueError(f"mechanism_batches={cfg.mechanism_batches}; valid: >= 1")
     s = build_setup(cfg)
-    sampling = rollout_sampling(cfg)
+    sampling = rollout_sampling(cfg, s.task)
     band, eps = band_and_eps(cfg.objective)
     parts, rewards = [], []
     for step in range(1, cfg.mechanism_batches + 1):

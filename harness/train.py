@@ -42,7 +42,7 @@ from harness.alpha import WeightHistory, minibatch_schedule
 from harness.batch import TokenBatch
 from harness.diagnostics import bin_means, dials, identity_check
 from harness.engines import Engine, Rollout
-from harness.io import write_text_atomic
+from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import AGGREGATION_KEYS, check_nodes, read_json, run_task, update_meta
 from harness.logprobs import check_sampling
 from harness.models import BUILTIN_SPECS, DTYPES, load_model, resolve_dtype, upcycle_to_moe
@@ -254,7 +254,7 @@ def evaluate(engine: Engine, task: Task, problems, cfg: DictConfig) -> float:
         ro = engine.generate(
             [p.prompt for p in problems],
             n=1,
-            max_new_tokens=cfg.rollout.max_new_tokens,
+            max_new_tokens=token_budget(cfg, task),
             temperature=cfg.rollout.temperature,
             seed=cfg.eval_seed,
         )
@@ -290,7 +290,8 @@ def validate(cfg: DictConfig) -> None:
     r, a = cfg.rollout, cfg.alpha
     check_sampling(r.temperature, r.top_k, r.top_p, prefix="rollout.")
     checks = [
-        ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
+        ("rollout.max_new_tokens", r.max_new_tokens,
+         r.max_new_tokens is None or r.max_new_tokens >= 1, ">= 1, or null for the task's own"),
         ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
         ("rollout.group_size", r.group_size, r.group_size >= 2,
          ">= 2 (group-normalised advantages of a single response are 0: nothing would train)"),
@@ -304,12 +305,16 @@ def validate(cfg: DictConfig) -> None:
         ("keep_checkpoints", cfg.keep_checkpoints, cfg.keep_checkpoints >= 1, ">= 1"),
         ("eval_n", cfg.eval_n, cfg.eval_n >= 1 or not cfg.eval_every, ">= 1 when eval_every > 0"),
         ("optim.lr", cfg.optim.lr, cfg.optim.lr > 0, "> 0"),
-        ("mechanism_batches", cfg.mechanism_batches, cfg.mechanism_batches >= 1, ">= 1"),
+        ("mechanism_batches", cfg.mechanism_batches, cfg.mechanism_batches >= 0,
+         ">= 0 (0: no mechanism check)"),
     ]  # fmt: skip
     for key, value, ok, valid in checks:
         if not ok:
             raise bad(key, value, valid)
     check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
+    from analysis.claims import check_prereg
+
+    check_prereg(OmegaConf.to_container(cfg.prereg, resolve=True))  # the preset's endpoints
     spec = cfg.model.spec
     if spec == "task-model":
         from harness.warmstart import resolve_recipe
@@ -492,9 +497,14 @@ def step_seed(cfg: DictConfig, step: int) -> int:
     return cfg.seed * 1_000_003 + step
 
 
-def rollout_sampling(cfg: DictConfig) -> Sampling:
+def token_budget(cfg: DictConfig, task: Task) -> int:
+    """rollout.max_new_tokens, else (null, the default) the task's own budget."""
+    return cfg.rollout.max_new_tokens or task.max_new_tokens
+
+
+def rollout_sampling(cfg: DictConfig, task: Task) -> Sampling:
     r = cfg.rollout
-    return Sampling(r.group_size, r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    return Sampling(r.group_size, token_budget(cfg, task), r.temperature, r.top_p, r.top_k)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -503,6 +513,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     changed = config_contract(run_dir, cfg)
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if cfg.mechanism_batches and not (run_dir / "mechanism.json").exists():
+        # the step-0 mechanism check on a setup of its own, before the run's seeds are set:
+        # its draws (fresh noise, model init) cannot move the run's (tested)
+        from harness import mechanism
+
+        write_json_atomic(run_dir / "mechanism.json", mechanism.run(cfg, validated=True))
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     s = build_setup(cfg)
@@ -515,7 +531,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     s.sampler.load_weights_from_state(s.history.behaviour())
     update_meta(run_dir, resumed_from_step=start - 1)
     eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.eval_seed)
-    sampling = rollout_sampling(cfg)
+    sampling = rollout_sampling(cfg, s.task)
     calibrated = hasattr(s.objective, "calibrate")
     nonfinite_run, last = 0, {}
     bar = tqdm(range(start, cfg.steps + 1), desc="train", disable=not cfg.progress)

@@ -338,7 +338,8 @@ def test_checkpoints_hold_only_tensors_and_plain_containers(tmp_path):
         ("engine.trainer_dtype=int8", "engine.trainer_dtype"),
         ("engine.sampler_attention=flash", "engine.sampler_attention"),
         ("optim.lr=0", "optim.lr"),
-        ("mechanism_batches=0", "mechanism_batches"),
+        ("mechanism_batches=-1", "mechanism_batches"),
+        ("+prereg.seeds=1", "prereg.claim"),
         ("model.spec=smollm3", "model.spec"),
         ("task=jsonl", "task.path"),
         ("objective.eps_hgh=0.3", "eps_hgh"),
@@ -507,3 +508,27 @@ def test_mechanism_check_sees_no_mechanism_without_noise_and_some_with_it(
     assert noisy["band"] == [0.7, 6.0]
     assert noisy["oob_frac"] > 0.05 and noisy["neg_low_clip"] > 0.05
     assert 0 <= noisy["fork_oob_share"] <= 1 and 0 <= noisy["sampler_reward"] <= 1
+
+
+def test_every_run_records_its_mechanism_check_and_it_does_not_move_the_run(tmp_path):
+    """Fresh (non-deterministic) noise draws from a generator: the check must not advance the
+    run's. The run with the check equals the run without it, metric for metric."""
+    noise = ["noise=logit", "noise.sigma=0.5", "noise.deterministic=false", "steps=3"]
+    train.run(_cfg(tmp_path / "a", *noise))
+    train.run(_cfg(tmp_path / "b", *noise, "mechanism_batches=0"))
+    mech = json.loads((tmp_path / "a" / "mechanism.json").read_text())
+    assert mech["n_tokens"] > 0 and mech["oob_frac"] >= 0 and mech["batches"] == 2
+    assert not (tmp_path / "b" / "mechanism.json").exists()
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "time/step_s"} for r in rows]  # noqa: E731
+    assert drop(_metrics(tmp_path / "a")) == drop(_metrics(tmp_path / "b"))
+
+
+def test_the_loop_honours_the_tasks_own_token_budget(tmp_path):
+    """rollout.max_new_tokens=null (the default): rollouts run to the task's budget (1-digit
+    arithmetic: 8·1·2 + 8 = 24 tokens), not to a fixed cap; an int still caps them."""
+    from harness.tasks import TASKS
+
+    assert TASKS["arithmetic"](digits=1).max_new_tokens == 24
+    own = train.run(_cfg(tmp_path / "a", "rollout.max_new_tokens=null", "steps=1"))
+    capped = train.run(_cfg(tmp_path / "b", "steps=1"))  # TINY caps at 6
+    assert capped["response/len"] <= 6 < own["response/len"] <= 24

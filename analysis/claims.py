@@ -1,0 +1,251 @@
+"""The claims table (issue 16): every pre-registered endpoint computed exactly as registered.
+
+    python -m analysis.claims [--results DIR]
+
+reads, per experiment, the committed results/<exp>/{prereg.yaml, summary.csv, mechanism.csv}
+(written by analysis.summarize) and writes results/claims.md and results/claims.csv: claim,
+seed document, mechanism check, endpoint, test, statistic, p and interval, verdict.
+
+A preset's `prereg` node (written before its runs; harness.train validates it before compute):
+
+    prereg:
+      claim: ...            # what the seed document says happens
+      source: ...           # where it says so
+      seeds: 5              # pairs (one per seed) the test is planned on
+      treatment: <arm>      # arm labels (analysis.runs.arm_label)
+      control: <arm>
+      endpoints:
+        - name: ...
+          metric: <summary.csv column>
+          reduce: final_any | window_mean | last_evals
+          window: [first, last]   # window_mean: steps averaged per run
+          n: 3                    # last_evals: how many of the last evaluations
+          test: paired_t | tost | fisher
+          margin: 0.02            # tost: the equivalence margin
+          predicted: greater | less   # treatment vs control, as the seed predicts
+
+Tests are two-sided at α = 0.05 (Fisher: one-sided in the predicted direction, the seed's
+prediction being directional); intervals 95% (TOST: 90%, its equivalence interval).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from analysis.runs import load_summary, results_root
+from analysis.stats import fisher_exact, paired_t, tost
+from harness.io import write_text_atomic
+
+EXPERIMENTS = ["collapse_reject_vs_clamp", "fp8_entropy_surge", "nsr_vs_decay",
+               "opsd_repetition", "phase_diagram"]  # fmt: skip
+REDUCES = ("final_any", "window_mean", "last_evals")
+TESTS = ("paired_t", "tost", "fisher")
+PREDICTED = ("greater", "less")
+ALPHA = 0.05
+# per-step metrics shown beside the step-0 check: the mechanism acting during the run
+RUN_MECHANISM = {
+    "dial_out_of_band_frac": "out of band",
+    "mask_frac": "deleted",
+    "clip_frac_low": "clipped low",
+    "clip_frac_high": "clipped high",
+    "rescue_frac": "rescued",
+}
+
+
+def check_prereg(prereg: Any) -> None:
+    """A preset's `prereg` node, checked before any compute: each error names the key, the bad
+    value and what is valid. An empty node (no pre-registration) passes."""
+    if not prereg:
+        return
+
+    def need(ok: bool, key: str, value: Any, valid: str) -> None:
+        if not ok:
+            raise ValueError(f"prereg.{key}={value!r}; valid: {valid}")
+
+    for key in ("claim", "source", "treatment", "control"):
+        need(isinstance(prereg.get(key), str) and prereg.get(key), key, prereg.get(key), "text")
+    seeds = prereg.get("seeds")
+    need(isinstance(seeds, int) and seeds >= 2, "seeds", seeds, "an int >= 2")
+    eps = prereg.get("endpoints")
+    need(isinstance(eps, list) and len(eps) > 0, "endpoints", eps, "a non-empty list")
+    for i, ep in enumerate(eps):
+        at = f"endpoints[{i}]."
+        for key, valid in [("reduce", REDUCES), ("test", TESTS), ("predicted", PREDICTED)]:
+            need(ep.get(key) in valid, at + key, ep.get(key), ", ".join(valid))
+        for key in ("name", "metric"):
+            need(isinstance(ep.get(key), str), at + key, ep.get(key), "text")
+        if ep["reduce"] == "window_mean":
+            w = ep.get("window")
+            need(isinstance(w, list) and len(w) == 2 and w[0] <= w[1], at + "window", w,
+                 "[first step, last step]")  # fmt: skip
+        if ep["reduce"] == "last_evals":
+            need(isinstance(ep.get("n"), int) and ep["n"] >= 1, at + "n", ep.get("n"), ">= 1")
+        if ep["test"] == "tost":
+            m = ep.get("margin")
+            need(isinstance(m, (int, float)) and m > 0, at + "margin", m, "> 0")
+        if ep["test"] == "fisher":
+            need(ep["reduce"] == "final_any", at + "reduce", ep["reduce"],
+                 "final_any (Fisher's test counts runs with an event)")  # fmt: skip
+
+
+def endpoint_values(df: pd.DataFrame, ep: dict) -> pd.Series:
+    """One number per complete run, indexed by (arm, seed), reduced as registered."""
+    runs = df[df.complete]
+    col = ep["metric"]
+    if ep["reduce"] == "window_mean":
+        lo, hi = ep["window"]
+        sel = runs[(runs.step >= lo) & (runs.step <= hi)]
+        return sel.groupby(["arm", "seed"])[col].mean()
+    if ep["reduce"] == "last_evals":
+        sel = runs.dropna(subset=[col]).sort_values("step")
+        return sel.groupby(["arm", "seed"])[col].apply(lambda s: s.tail(ep["n"]).mean())
+    last = runs.sort_values("step").groupby(["arm", "seed"]).tail(1)  # final_any
+    return (last.set_index(["arm", "seed"])[col] > 0).astype(float)
+
+
+def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> dict[str, Any]:
+    """The registered test on the paired values, and its verdict."""
+    t = values.xs(treatment, level="arm") if treatment in values.index.get_level_values(0) else None
+    c = values.xs(control, level="arm") if control in values.index.get_level_values(0) else None
+    if t is None or c is None:
+        missing = treatment if t is None else control
+        return {"verdict": f"not run (no complete runs of arm {missing!r})", "pairs": 0}
+    seeds = sorted(set(t.index) & set(c.index))
+    x, y = t.loc[seeds].to_numpy(), c.loc[seeds].to_numpy()
+    out: dict[str, Any] = {"pairs": len(seeds), "treatment_mean": float(x.mean()),
+                           "control_mean": float(y.mean())}  # fmt: skip
+    if len(seeds) < 2:
+        return {**out, "verdict": f"not testable ({len(seeds)} paired seed)"}
+    sign = 1 if ep["predicted"] == "greater" else -1
+    if ep["test"] == "fisher":
+        a, cc = int(x.sum()), int(y.sum())
+        f = fisher_exact(a, len(x) - a, cc, len(y) - cc)
+        p = f[f"p_{ep['predicted']}"]
+        out.update(stat=f"{a}/{len(x)} vs {cc}/{len(y)} runs", p=p)
+        if a + cc == 0:
+            out["verdict"] = "not reproduced: no event in either arm"
+        else:
+            out["verdict"] = "reproduced" if p < ALPHA else "not resolved"
+        return out
+    pt = paired_t(x, y)
+    out.update(diff=pt["diff"], ci_lo=pt["ci_lo"], ci_hi=pt["ci_hi"])
+    if ep["test"] == "tost":
+        eq = tost(x, y, ep["margin"], ALPHA)
+        out.update(stat=f"TOST ±{ep['margin']}; paired t = {pt['t']:.2f}", p=eq["p"],
+                   ci_lo=eq["ci_lo"], ci_hi=eq["ci_hi"], p_difference=pt["p"])  # fmt: skip
+        if eq["p"] < ALPHA:
+            out["verdict"] = f"not reproduced: equivalent within ±{ep['margin']}"
+        elif pt["p"] < ALPHA and sign * pt["diff"] > 0:
+            out["verdict"] = "reproduced"
+        else:
+            out["verdict"] = "not resolved: neither equivalent nor different"
+        return out
+    out.update(stat=f"paired t = {pt['t']:.2f}, df {pt['df']}", p=pt["p"])
+    if pt["p"] >= ALPHA:
+        out["verdict"] = "not resolved"
+    else:
+        out["verdict"] = "reproduced" if sign * pt["diff"] > 0 else "opposite to the prediction"
+    return out
+
+
+def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> str:
+    """The step-0 mechanism check of `arm`'s runs (mean over seeds) and the run-mean share of
+    tokens each in-run mechanism acted on."""
+    parts = []
+    if mech is not None and not mech.empty:
+        m = mech[(mech.arm == arm) & mech.trained]
+        if not m.empty:
+            mean = m.mean(numeric_only=True)
+            parts.append(
+                f"step 0: {mean.oob_frac:.1%} out of band, {mean.fork_oob_share:.0%} of it on "
+                f"forks, {mean.forks_deleted:.0%} of forks outside; A<0 below 1−ε "
+                f"{mean.neg_low_clip:.1%} vs A>0 above 1+ε {mean.pos_high_clip:.1%}; "
+                f"μ reward {mean.sampler_reward:.3f}"
+            )
+    runs = df[(df.arm == arm) & df.complete]
+    acting = {
+        name: runs[col].mean()
+        for col, name in RUN_MECHANISM.items()
+        if col in runs and runs[col].notna().any() and runs[col].mean() > 0
+    }
+    if acting:
+        parts.append("in run: " + ", ".join(f"{v:.1%} {k}" for k, v in acting.items()))
+    return "; ".join(parts) or "no mechanism check recorded"
+
+
+def claims(root: Path) -> pd.DataFrame:
+    rows = []
+    for exp in EXPERIMENTS:
+        path = root / exp / "prereg.yaml"
+        if not path.exists():
+            rows.append({"experiment": exp, "verdict": "not pre-registered yet (issue 16)"})
+            continue
+        prereg = yaml.safe_load(path.read_text())
+        check_prereg(prereg)
+        df = load_summary(root, exp)
+        mech_path = root / exp / "mechanism.csv"
+        mech = pd.read_csv(mech_path) if mech_path.exists() else None
+        tr, ct = prereg["treatment"], prereg["control"]
+        for ep in prereg["endpoints"]:
+            res = run_endpoint(endpoint_values(df, ep), ep, tr, ct)
+            rows.append({
+                "experiment": exp, "claim": prereg["claim"], "source": prereg["source"],
+                "treatment": tr, "control": ct, "endpoint": ep["name"], "metric": ep["metric"],
+                "reduce": ep["reduce"], "test": ep["test"], "predicted": ep["predicted"],
+                "seeds_planned": prereg["seeds"],
+                "mechanism_treatment": mechanism_summary(mech, df, tr),
+                "mechanism_control": mechanism_summary(mech, df, ct), **res,
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _fmt(v: Any, spec: str = ".3g") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    return format(v, spec) if isinstance(v, (int, float, np.floating)) else str(v)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    head = ["experiment", "claim (source)", "endpoint (test)", "treatment vs control",
+            "difference [CI]", "statistic", "p", "verdict",
+            "mechanism (treatment arm)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table.to_dict("records"):
+        if not isinstance(r.get("claim"), str):
+            lines.append(f"| {r['experiment']} | | | | | | | {r['verdict']} | |")
+            continue
+        diff = (f"{_fmt(r.get('diff'), '+.4f')} [{_fmt(r.get('ci_lo'), '+.4f')}, "
+                f"{_fmt(r.get('ci_hi'), '+.4f')}]") if "diff" in r else "—"  # fmt: skip
+        means = f"{_fmt(r.get('treatment_mean'), '.4f')} vs {_fmt(r.get('control_mean'), '.4f')}"
+        pairs = f"{int(r['pairs'])}/{int(r['seeds_planned'])} seeds"
+        lines.append(
+            f"| {r['experiment']} | {r['claim']} ({r['source']}) | {r['endpoint']}: "
+            f"{r['metric']}, {r['reduce']} ({r['test']}, predicted {r['predicted']}) | "
+            f"{r['treatment']} vs {r['control']}: {means} ({pairs}) | {diff} | "
+            f"{_fmt(r.get('stat'))} | {_fmt(r.get('p'), '.3g')} | {r['verdict']} | "
+            f"{r['mechanism_treatment']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    root = results_root(argv)
+    table = claims(root)
+    table.to_csv(root / "claims.csv", index=False, float_format="%.5g")
+    text = ("# Claims table (generated by `python -m analysis.claims`; do not edit)\n\n"
+            "Each row is one pre-registered endpoint (the experiment's preset, `prereg`), "
+            "computed from the committed summary.csv exactly as registered; arms paired by "
+            "seed. Tests two-sided at α = 0.05 except Fisher's (one-sided, predicted "
+            "direction); intervals 95% (TOST: 90%).\n\n") + markdown(table)  # fmt: skip
+    write_text_atomic(root / "claims.md", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

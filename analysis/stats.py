@@ -1,0 +1,120 @@
+"""The tests the presets pre-register (issue 16): paired t, TOST equivalence, Fisher's exact.
+
+Small pure functions on arrays (no scipy in the project's dependencies): the Student-t
+distribution through the regularised incomplete beta function (a continued fraction),
+its quantiles by bisection, and the hypergeometric sums of Fisher's test by exact integers.
+Every p is exact for its model; `tests/test_stats.py` checks them against closed forms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta I_x(a, b) by its continued fraction (modified Lentz),
+    on the side of x where it converges fast (I_x(a, b) = 1 − I_{1−x}(b, a))."""
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"x={x}; valid: 0 <= x <= 1")
+    if x in (0.0, 1.0):
+        return x
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - betainc(b, a, 1.0 - x)
+    log_front = a * math.log(x) + b * math.log1p(-x) - math.log(a) - _log_beta(a, b)
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * (f - 1.0)
+
+
+def _log_beta(a: float, b: float) -> float:
+    return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+
+
+def t_sf(t: float, df: float) -> float:
+    """P(T > t) for Student's t with `df` degrees of freedom."""
+    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
+    return tail if t >= 0 else 1.0 - tail
+
+
+def t_quantile(q: float, df: float) -> float:
+    """The t with P(T ≤ t) = q, by bisection on t_sf over |t| < 1e4."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"q={q}; valid: 0 < q < 1")
+    lo, hi = -1e4, 1e4
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if 1.0 - t_sf(mid, df) < q:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def paired_t(x, y, level: float = 0.95) -> dict[str, float]:
+    """Paired t-test of mean(x − y) = 0 over pairs (one per seed): the mean difference, its
+    `level` t-interval, t, df and the two-sided and both one-sided p-values."""
+    d = np.asarray(x, float) - np.asarray(y, float)
+    n = len(d)
+    if n < 2:
+        raise ValueError(f"a paired t-test needs >= 2 pairs; got {n}")
+    mean, sd = float(d.mean()), float(d.std(ddof=1))
+    se = sd / math.sqrt(n)
+    half = t_quantile(0.5 + level / 2, n - 1) * se
+    if se == 0:  # every pair differs by the same amount: no spread to test against
+        t = 0.0 if mean == 0 else math.copysign(math.inf, mean)
+    else:
+        t = mean / se
+    greater = t_sf(t, n - 1) if math.isfinite(t) else float(t < 0)
+    less = 1.0 - greater if math.isfinite(t) else float(t > 0)
+    return {
+        "diff": mean, "ci_lo": mean - half, "ci_hi": mean + half, "t": t, "df": n - 1, "n": n,
+        "p": min(1.0, 2 * min(greater, less)), "p_greater": greater, "p_less": less,
+    }  # fmt: skip
+
+
+def tost(x, y, margin: float, alpha: float = 0.05) -> dict[str, float]:
+    """Two one-sided tests of equivalence, |mean(x − y)| < margin, over pairs: p = the larger of
+    the two one-sided p-values; the (1 − 2α) interval lies inside ±margin exactly when p < α."""
+    d = np.asarray(x, float) - np.asarray(y, float)
+    lower = paired_t(d + margin, np.zeros_like(d))  # H0: diff <= −margin
+    upper = paired_t(d - margin, np.zeros_like(d))  # H0: diff >= +margin
+    ci = paired_t(d, np.zeros_like(d), level=1 - 2 * alpha)
+    return {
+        "diff": ci["diff"], "ci_lo": ci["ci_lo"], "ci_hi": ci["ci_hi"], "n": ci["n"],
+        "margin": margin, "p": max(lower["p_greater"], upper["p_less"]),
+    }  # fmt: skip
+
+
+def fisher_exact(a: int, b: int, c: int, d: int) -> dict[str, float]:
+    """Fisher's exact test on the 2×2 table [[a, b], [c, d]] (rows: treatment, control;
+    columns: event, no event): the two-sided p (tables no more probable than the observed) and
+    the one-sided p that the treatment has more events."""
+    row1, col1, n = a + b, a + c, a + b + c + d
+    lo, hi = max(0, col1 - (n - row1)), min(row1, col1)
+    denom = math.comb(n, col1)
+    prob = {
+        k: math.comb(row1, k) * math.comb(n - row1, col1 - k) / denom for k in range(lo, hi + 1)
+    }
+    observed = prob[a]
+    two = sum(p for p in prob.values() if p <= observed * (1 + 1e-9))
+    return {
+        "events_treatment": a, "n_treatment": row1, "events_control": c, "n_control": c + d,
+        "p": min(1.0, two), "p_greater": sum(p for k, p in prob.items() if k >= a),
+        "p_less": sum(p for k, p in prob.items() if k <= a),
+    }  # fmt: skip

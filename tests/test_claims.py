@@ -1,0 +1,106 @@
+"""Pre-registered endpoints: the presets' blocks validate, reductions and verdicts by hand."""
+
+import copy
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from analysis.claims import check_prereg, endpoint_values, markdown, run_endpoint
+from analysis.stats import paired_t
+from harness import train
+
+CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
+PREREG = {
+    "claim": "c", "source": "s", "seeds": 3, "treatment": "T", "control": "C",
+    "endpoints": [{"name": "e", "metric": "m", "reduce": "window_mean", "window": [3, 4],
+                   "test": "paired_t", "predicted": "greater"}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("exp", ["collapse_reject_vs_clamp", "fp8_entropy_surge", "nsr_vs_decay"])
+def test_the_presets_preregistrations_validate_and_their_sweeps_cover_the_planned_seeds(exp):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={exp}"], return_hydra_config=True)
+    prereg = OmegaConf.to_container(cfg.prereg, resolve=True)
+    check_prereg(prereg)
+    seeds = str(cfg.hydra.sweeper.params.seed).split(",")
+    assert len(seeds) == prereg["seeds"] >= 5
+
+
+@pytest.mark.parametrize(
+    "path, value, key",
+    [
+        (("seeds",), 1, "prereg.seeds"),
+        (("endpoints", 0, "test"), "wilcoxon", "prereg.endpoints[0].test"),
+        (("endpoints", 0, "window"), [4, 3], "prereg.endpoints[0].window"),
+        (("endpoints", 0, "predicted"), "up", "prereg.endpoints[0].predicted"),
+        (("treatment",), None, "prereg.treatment"),
+    ],
+)
+def test_a_bad_preregistration_names_its_key(path, value, key):
+    bad = copy.deepcopy(PREREG)
+    node = bad
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        check_prereg(bad)
+    fisher = copy.deepcopy(PREREG)
+    fisher["endpoints"][0]["test"] = "fisher"  # Fisher counts runs with an event
+    with pytest.raises(ValueError, match="final_any"):
+        check_prereg(fisher)
+
+
+def _summary(values):
+    """Four steps per run; metric m = the given per-step values; eval at steps 2 and 4."""
+    rows = []
+    for (arm, seed), ms in values.items():
+        for step, m in enumerate(ms, 1):
+            rows.append(dict(arm=arm, seed=seed, step=step, m=m, complete=True,
+                             eval_acc=m if step % 2 == 0 else None))  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_reductions_by_hand():
+    df = _summary({("T", 0): [0, 1, 2, 3], ("C", 0): [0, 0, 0, 5]})
+    window = endpoint_values(df, {"metric": "m", "reduce": "window_mean", "window": [3, 4]})
+    assert window[("T", 0)] == 2.5 and window[("C", 0)] == 2.5
+    evals = endpoint_values(df, {"metric": "eval_acc", "reduce": "last_evals", "n": 1})
+    assert evals[("T", 0)] == 3 and evals[("C", 0)] == 5
+    anyev = endpoint_values(df, {"metric": "m", "reduce": "final_any"})
+    assert anyev[("T", 0)] == 1.0
+    incomplete = df.assign(complete=df.arm == "C")
+    assert list(endpoint_values(incomplete, {"metric": "m", "reduce": "final_any"}).index) == [
+        ("C", 0)
+    ]
+
+
+def test_verdicts_follow_the_registered_test_and_direction():
+    ep = PREREG["endpoints"][0]
+    up = {("T", s): [0, 0, 1 + 0.1 * s, 1 + 0.1 * s] for s in range(4)}
+    up |= {("C", s): [0, 0, 0.05 * s, 0.05 * s] for s in range(4)}
+    vals = endpoint_values(_summary(up), ep)
+    res = run_endpoint(vals, ep, "T", "C")
+    by_hand = paired_t([1 + 0.1 * s for s in range(4)], [0.05 * s for s in range(4)])
+    assert res["p"] == pytest.approx(by_hand["p"]) and res["pairs"] == 4
+    assert res["verdict"] == "reproduced"
+    assert run_endpoint(vals, {**ep, "predicted": "less"}, "T", "C")["verdict"].startswith(
+        "opposite"
+    )
+    same = endpoint_values(_summary({(a, s): [0, 0, s, s] for a in "TC" for s in range(3)}), ep)
+    assert run_endpoint(same, ep, "T", "C")["verdict"] == "not resolved"
+    tost_ep = {**ep, "test": "tost", "margin": 0.5}
+    assert run_endpoint(same, tost_ep, "T", "C")["verdict"].startswith("not reproduced: equiv")
+    assert run_endpoint(vals, tost_ep, "T", "C")["verdict"] == "reproduced"
+    none = endpoint_values(_summary({(a, s): [0] * 4 for a in "TC" for s in range(3)}),
+                           {"metric": "m", "reduce": "final_any"})  # fmt: skip
+    fisher = run_endpoint(none, {**ep, "test": "fisher", "reduce": "final_any"}, "T", "C")
+    assert fisher["verdict"] == "not reproduced: no event in either arm"
+    assert run_endpoint(vals, ep, "T", "X")["verdict"].startswith("not run")
+    table = pd.DataFrame([{"experiment": "x", "claim": "c", "source": "s", "treatment": "T",
+                           "control": "C", "endpoint": "e", "metric": "m", "reduce": "r",
+                           "test": "paired_t", "predicted": "greater", "seeds_planned": 4,
+                           "mechanism_treatment": "mm", **res}])  # fmt: skip
+    assert "| reproduced | mm |" in markdown(table)

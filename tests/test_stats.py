@@ -1,0 +1,62 @@
+"""The pre-registered tests against closed forms and hand-worked tables."""
+
+import math
+
+import numpy as np
+import pytest
+
+from analysis.stats import betainc, fisher_exact, paired_t, t_quantile, t_sf, tost
+
+
+@pytest.mark.parametrize("t", [-3.0, -0.5, 0.0, 0.7, 2.0, 10.0])
+def test_t_tails_match_the_closed_forms_for_one_and_two_degrees_of_freedom(t):
+    assert t_sf(t, 1) == pytest.approx(0.5 - math.atan(t) / math.pi, abs=1e-12)  # Cauchy
+    assert t_sf(t, 2) == pytest.approx(0.5 - t / (2 * math.sqrt(t * t + 2)), abs=1e-12)
+
+
+def test_betainc_by_hand_and_the_tabled_t_quantiles():
+    assert betainc(1, 1, 0.3) == pytest.approx(0.3)  # uniform
+    assert betainc(2, 1, 0.5) == pytest.approx(0.25)  # x^2
+    assert betainc(1, 3, 0.2) == pytest.approx(1 - 0.8**3)
+    for df, t975 in [(4, 2.776), (5, 2.571), (9, 2.262), (30, 2.042)]:  # printed t tables
+        assert t_quantile(0.975, df) == pytest.approx(t975, abs=1e-3)
+        assert 2 * t_sf(t975, df) == pytest.approx(0.05, abs=2e-4)
+    assert t_quantile(0.5, 7) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_paired_t_by_hand():
+    """Differences 1, 2, 3: mean 2, sd 1, t = 2√3, df 2; P(T > t) = 1/2 − t/(2√(t² + 2))."""
+    out = paired_t([3, 5, 7], [2, 3, 4])
+    t = 2 * math.sqrt(3)
+    assert out["diff"] == 2 and out["t"] == pytest.approx(t) and out["df"] == 2
+    one = 0.5 - t / (2 * math.sqrt(t * t + 2))
+    assert out["p_greater"] == pytest.approx(one) and out["p"] == pytest.approx(2 * one)
+    half = t_quantile(0.975, 2) / math.sqrt(3)
+    assert (out["ci_lo"], out["ci_hi"]) == pytest.approx((2 - half, 2 + half))
+    assert paired_t([1, 2], [1, 2])["p"] == 1.0  # no difference, no spread
+    with pytest.raises(ValueError, match="2 pairs"):
+        paired_t([1], [0])
+
+
+def test_tost_declares_equivalence_only_inside_the_margin():
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=8)
+    close = tost(y + rng.normal(0, 0.002, 8), y, margin=0.02)
+    assert close["p"] < 0.05 and -0.02 < close["ci_lo"] < close["ci_hi"] < 0.02
+    far = tost(y + 0.05 + rng.normal(0, 0.002, 8), y, margin=0.02)
+    assert far["p"] > 0.5
+    # the p of TOST is the larger one-sided p: by hand for differences 0.01, 0.02, 0.03
+    d = np.array([0.01, 0.02, 0.03])
+    by_hand = max(paired_t(d + 0.02, 0 * d)["p_greater"], paired_t(d - 0.02, 0 * d)["p_less"])
+    assert tost(d, 0 * d, 0.02)["p"] == pytest.approx(by_hand)
+
+
+def test_fisher_exact_by_hand():
+    """Lady tasting tea: [[3, 1], [1, 3]]: P(a = 3) = 16/70, P(a = 4) = 1/70, two-sided 34/70;
+    [[4, 0], [0, 4]]: one-sided 1/70, two-sided 2/70; [[5, 0], [0, 5]] one-sided 1/252."""
+    tea = fisher_exact(3, 1, 1, 3)
+    assert tea["p_greater"] == pytest.approx(17 / 70) and tea["p"] == pytest.approx(34 / 70)
+    assert fisher_exact(4, 0, 0, 4)["p"] == pytest.approx(2 / 70)
+    five = fisher_exact(5, 0, 0, 5)
+    assert five["p_greater"] == pytest.approx(1 / 252) and five["p_less"] == pytest.approx(1.0)
+    assert fisher_exact(0, 5, 0, 5)["p"] == pytest.approx(1.0)  # no events anywhere
