@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from analysis.runs import load_summary, results_root
+from analysis.runs import load_summary, mechanism_summary, results_root
 from analysis.stats import fisher_exact, paired_t, tost
 from harness.io import write_text_atomic
 
@@ -48,14 +48,6 @@ REDUCES = ("final_any", "window_mean", "last_evals")
 TESTS = ("paired_t", "tost", "fisher")
 PREDICTED = ("greater", "less")
 ALPHA = 0.05
-# per-step metrics shown beside the step-0 check: the mechanism acting during the run
-RUN_MECHANISM = {
-    "dial_out_of_band_frac": "out of band",
-    "mask_frac": "deleted",
-    "clip_frac_low": "clipped low",
-    "clip_frac_high": "clipped high",
-    "rescue_frac": "rescued",
-}
 
 
 def check_prereg(prereg: Any) -> None:
@@ -152,31 +144,6 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
     else:
         out["verdict"] = "reproduced" if sign * pt["diff"] > 0 else "opposite to the prediction"
     return out
-
-
-def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> str:
-    """The step-0 mechanism check of `arm`'s runs (mean over seeds) and the run-mean share of
-    tokens each in-run mechanism acted on."""
-    parts = []
-    if mech is not None and not mech.empty:
-        m = mech[(mech.arm == arm) & mech.trained]
-        if not m.empty:
-            mean = m.mean(numeric_only=True)
-            parts.append(
-                f"step 0: {mean.oob_frac:.1%} out of band, {mean.fork_oob_share:.0%} of it on "
-                f"forks, {mean.forks_deleted:.0%} of forks outside; A<0 below 1−ε "
-                f"{mean.neg_low_clip:.1%} vs A>0 above 1+ε {mean.pos_high_clip:.1%}; "
-                f"μ reward {mean.sampler_reward:.3f}"
-            )
-    runs = df[(df.arm == arm) & df.complete]
-    acting = {
-        name: runs[col].mean()
-        for col, name in RUN_MECHANISM.items()
-        if col in runs and runs[col].notna().any() and runs[col].mean() > 0
-    }
-    if acting:
-        parts.append("in run: " + ", ".join(f"{v:.1%} {k}" for k, v in acting.items()))
-    return "; ".join(parts) or "no mechanism check recorded"
 
 
 def claims(root: Path) -> pd.DataFrame:

@@ -20,13 +20,13 @@ def set_theme() -> None:
     sns.set_theme(context="paper", style="whitegrid", palette="colorblind", font_scale=1.1)
 
 
-def savefig(fig: plt.Figure, path: str | Path) -> Path:
+def savefig(fig: plt.Figure, path: str | Path, bottom: float = 0.0) -> Path:
     """Write `path`.png (150 dpi) and `path`.pdf (a .png/.pdf suffix is dropped first); return the
-    PNG path."""
+    PNG path. `bottom`: the share of the figure's height kept free for a caption."""
     path = Path(path)
     path = path.with_suffix("") if path.suffix in (".png", ".pdf") else path
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     png, pdf = (path.parent / f"{path.name}{ext}" for ext in (".png", ".pdf"))
     # no timestamps in the files: regenerating unchanged data leaves git clean
     fig.savefig(png, dpi=150, metadata={"Software": None})

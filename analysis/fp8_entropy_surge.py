@@ -1,4 +1,4 @@
-"""Figure: entropy surge under an FP8 sampler with π_old := μ (Calibrated Clipping §3).
+"""Figure: entropy surge when the clip acts on π_θ/μ, π_old := μ (Calibrated Clipping §3).
 
 python -m analysis.fp8_entropy_surge [--results DIR]   # reads results/<exp>/summary.csv
 """
@@ -6,16 +6,17 @@ python -m analysis.fp8_entropy_surge [--results DIR]   # reads results/<exp>/sum
 from __future__ import annotations
 
 from analysis.common import set_theme
-from analysis.runs import load_summary, panel_row, results_root, smooth
+from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
 
 EXP = "fp8_entropy_surge"
-ARMS = ["high precision", "FP8 (std clip)", "FP8 E5M2 W8A8 (std clip)", "FP8 + TIS"]
+ARMS = ["π_old := μ (std clip)", "π_old recomputed (std clip)"]  # the β stand-in (issue 16)
+ARMS += ["high precision", "FP8 (std clip)", "FP8 E5M2 W8A8 (std clip)", "FP8 + TIS"]
 ARMS += ["FP8 + calibrated", "FP8 + CIS"]
 PANELS = [  # column, title, y label, arms shown
     ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)", ARMS),
     ("reward_mean", "Training reward (5-step mean)", "mean reward", ARMS),
-    ("eval_acc", "Held-out accuracy", "accuracy (128 problems)", ARMS),
-    ("clip_frac_low", "Mechanism: A<0 clipped at 1−ε", "fraction of tokens", ARMS[:3]),
+    ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)", ARMS),
+    ("clip_frac_low", "Mechanism: A<0 clipped at 1−ε", "fraction of tokens", ARMS),
 ]
 
 
@@ -24,9 +25,11 @@ def main(argv: list[str] | None = None) -> None:
     df = load_summary(root, EXP)
     df = smooth(df[df.complete], ["entropy_mean", "reward_mean", "clip_frac_low"])
     set_theme()
-    title = "FP8 (E4M3) sampler vs high precision, task model"
+    title = "Student-t (ν=3, σ=0.5) logit noise in μ (FP8 stand-in), countdown task model"
+    caption = mechanism_caption(root, EXP, df, ARMS)
     path = root / EXP / "fig_fp8_entropy_surge"
-    panel_row(df, PANELS, ARMS, "optimizer step", title, path, legend_on=(0, len(PANELS) - 1))
+    panel_row(df, PANELS, ARMS, "optimizer step", title, path, legend_on=(0, len(PANELS) - 1),
+              caption=caption)  # fmt: skip
 
 
 if __name__ == "__main__":

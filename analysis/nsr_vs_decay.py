@@ -6,12 +6,12 @@ python -m analysis.nsr_vs_decay [--results DIR]   # reads results/<exp>/summary.
 from __future__ import annotations
 
 from analysis.common import set_theme
-from analysis.runs import load_summary, panel_row, results_root, smooth
+from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
 
 EXP = "nsr_vs_decay"
 ARMS = ["hard clip", "NSR", "deterministic decay", "push control"]
 PANELS = [  # column, title, y label
-    ("eval_acc", "Held-out accuracy", "accuracy (128 problems)"),
+    ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
     ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)"),
     ("clip_frac", "Clipped tokens (low + high)", "fraction of tokens"),
@@ -25,8 +25,10 @@ def main(argv: list[str] | None = None) -> None:
     df = df[df.complete].assign(clip_frac=lambda d: d.clip_frac_low + d.clip_frac_high)
     df = smooth(df, [c for c, *_ in PANELS[1:]])
     set_theme()
-    title = "Gaussian logit noise σ=0.3, π_old := μ, task model"
-    panel_row(df, PANELS, ARMS, "optimizer step", title, root / EXP / "fig_nsr_vs_decay")
+    title = "Gaussian logit noise σ=0.5, π_old := μ, countdown task model"
+    caption = mechanism_caption(root, EXP, df, ARMS)
+    panel_row(df, PANELS, ARMS, "optimizer step", title, root / EXP / "fig_nsr_vs_decay",
+              caption=caption)  # fmt: skip
 
 
 if __name__ == "__main__":

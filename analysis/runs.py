@@ -86,7 +86,8 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
             run=run.name, arm=arm_label(exp, cfg), seed=cfg["seed"],
             objective=cfg["objective"]["name"],
             noise=cfg["noise"]["name"], sigma=cfg["noise"].get("sigma"),
-            staleness=cfg["alpha"]["staleness"], logp_old_source=cfg["engine"]["logp_old_source"],
+            staleness=cfg["alpha"]["staleness"], minibatches=cfg["alpha"]["minibatches"],
+            lr=cfg["optim"]["lr"], logp_old_source=cfg["engine"]["logp_old_source"],
             steps=cfg["steps"], weights_sha=model.get("weights_sha"),
             recipe_hash=model.get("recipe_hash"),
         ))  # fmt: skip
@@ -114,6 +115,50 @@ def load_mechanism(root: Path, exp: str) -> pd.DataFrame:
             **{k: m.get(k) for k in MECHANISM},
         })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+# per-step metrics shown beside the step-0 check: the mechanism acting during the run
+RUN_MECHANISM = {
+    "dial_out_of_band_frac": "out of band",
+    "mask_frac": "deleted",
+    "clip_frac_low": "clipped low",
+    "clip_frac_high": "clipped high",
+    "rescue_frac": "rescued",
+}
+
+
+def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> str:
+    """The step-0 mechanism check of `arm`'s runs (mean over seeds) and the run-mean share of
+    tokens each in-run mechanism acted on."""
+    parts = []
+    if mech is not None and not mech.empty:
+        m = mech[(mech.arm == arm) & mech.trained]
+        if not m.empty:
+            mean = m.mean(numeric_only=True)
+            parts.append(
+                f"step 0: {mean.oob_frac:.1%} out of band, {mean.fork_oob_share:.0%} of it on "
+                f"forks, {mean.forks_deleted:.0%} of forks outside; A<0 below 1−ε "
+                f"{mean.neg_low_clip:.1%} vs A>0 above 1+ε {mean.pos_high_clip:.1%}; "
+                f"μ reward {mean.sampler_reward:.3f}"
+            )
+    runs = df[(df.arm == arm) & df.complete]
+    acting = {
+        name: runs[col].mean()
+        for col, name in RUN_MECHANISM.items()
+        if col in runs and runs[col].notna().any() and runs[col].mean() > 0
+    }
+    if acting:
+        parts.append("in run: " + ", ".join(f"{v:.1%} {k}" for k, v in acting.items()))
+    return "; ".join(parts) or "no mechanism check recorded"
+
+
+def mechanism_caption(root: Path, exp: str, df: pd.DataFrame, arms: list[str]) -> str:
+    """The figure caption's mechanism check: one line per arm shown (mechanism.csv + the
+    summary's per-step mechanism metrics)."""
+    path = Path(root) / exp / "mechanism.csv"
+    mech = pd.read_csv(path) if path.exists() else None
+    shown = [a for a in arms if a in set(df.arm)]
+    return "\n".join(f"{a}: {mechanism_summary(mech, df, a)}" for a in shown)
 
 
 def load_prereg(root: Path, exp: str) -> dict:
@@ -197,6 +242,7 @@ def panel_row(
     title: str,
     path: Path,
     legend_on: tuple[int, ...] = (0,),
+    caption: str = "",
 ) -> None:
     """One row of `curve` panels, each (column, title, y label[, arms shown]); mean and 95%
     t-interval over seeds; written through `savefig` as PNG + PDF."""
@@ -216,4 +262,8 @@ def panel_row(
             ax.text(0.5, 0.5, "0 in every run and step", transform=ax.transAxes, ha="center")
     n = df.groupby("arm").seed.nunique().min()
     fig.suptitle(f"{title}; mean, 95% t-CI, {n} seeds")
-    savefig(fig, path)
+    bottom = 0.0
+    if caption:  # the mechanism check under the panels (issue 16: no null without it)
+        bottom = 0.03 + 0.035 * (caption.count("\n") + 1)
+        fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
+    savefig(fig, path, bottom)

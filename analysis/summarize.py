@@ -21,7 +21,7 @@ from analysis.runs import load_mechanism, load_prereg, load_raw
 
 EXPERIMENTS = [
     "collapse_reject_vs_clamp", "fp8_entropy_surge", "opsd_repetition", "nsr_vs_decay",
-    "phase_diagram",
+    "phase_diagram", "alpha_calibration",
 ]  # fmt: skip
 
 

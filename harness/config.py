@@ -75,6 +75,21 @@ class DistillCfg:
 
 
 @dataclass
+class DriversCfg:
+    """The feedback loops' drivers (issue 16 item 4): off by default."""
+
+    # β that grows with training: every sampler noise σ (logit, layer) scaled linearly from 1× at
+    # step 1 to beta_growth× at the last step, on the same noise field (the SNR post measured
+    # fork-bin Var β ~5× at its trained checkpoint); 1: constant β
+    beta_growth: float = 1.0
+    # an entropy driver: from step `harder_at` on, training prompts come from the task rebuilt
+    # with the `harder` kwargs (e.g. {max_number: 20}); the eval set stays the original task's;
+    # 0: never
+    harder_at: int = 0
+    harder: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class TrainConfig:
     name: str = "default"
     out: str = "results/${name}/run"
@@ -93,6 +108,7 @@ class TrainConfig:
     optim: OptimCfg = field(default_factory=OptimCfg)
     guard: GuardCfg = field(default_factory=GuardCfg)
     distill: DistillCfg = field(default_factory=DistillCfg)
+    drivers: DriversCfg = field(default_factory=DriversCfg)
     eval_every: int = 25
     eval_n: int = 512
     # the evaluation set (problems and sampling seed) is fixed per task, independent of `seed`,
@@ -135,7 +151,9 @@ OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 # The swept-axis nodes and the warm-start recipe are open: their keys are the builders' keyword
 # arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked
 # against the builder's signature before any compute (harness.launch.check_nodes).
-OPEN_NODES = ("task", "noise", "objective", "aggregation", "model.warmstart", "prereg")
+OPEN_NODES = (
+    "task", "noise", "objective", "aggregation", "model.warmstart", "prereg", "drivers.harder",
+)  # fmt: skip
 
 
 def schema() -> DictConfig:

@@ -69,17 +69,26 @@ def split_node(node: Any) -> tuple[str, dict[str, Any]]:
     return name, d
 
 
+def task_spec(cfg: DictConfig) -> tuple[str, dict[str, Any], dict | None]:
+    """The task's registry name and kwargs (with model=task-model, the warm-start recipe's task
+    kwargs under the node's) and the recipe (None for other models)."""
+    from harness.warmstart import resolve_recipe
+
+    task_name, task_kw = split_node(cfg.task)
+    if cfg.model.spec != "task-model":
+        return task_name, task_kw, None
+    recipe = resolve_recipe(task_name, **OmegaConf.to_container(cfg.model.warmstart, resolve=True))
+    return task_name, {**recipe["task_kwargs"], **task_kw}, recipe
+
+
 def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, dict]:
     """The task, the trainer's model (trainer dtype), its tokenizer and its identity (spec,
     weights checksum, recipe hash for task models: recorded in meta.json)."""
-    from harness.warmstart import load_task_model, model_identity, resolve_recipe
+    from harness.warmstart import load_task_model, model_identity
 
-    task_name, task_kw = split_node(cfg.task)
-    recipe = None
-    if cfg.model.spec == "task-model":
+    task_name, task_kw, recipe = task_spec(cfg)
+    if recipe is not None:
         warm = OmegaConf.to_container(cfg.model.warmstart, resolve=True)
-        recipe = resolve_recipe(task_name, **warm)
-        task_kw = {**recipe["task_kwargs"], **task_kw}
         model, tok = load_task_model(task_name, progress=cfg.progress, **warm)
     else:
         model, tok = load_model(cfg.model.spec, dtype="fp32", seed=cfg.seed)
@@ -305,6 +314,9 @@ def validate(cfg: DictConfig) -> None:
         ("keep_checkpoints", cfg.keep_checkpoints, cfg.keep_checkpoints >= 1, ">= 1"),
         ("eval_n", cfg.eval_n, cfg.eval_n >= 1 or not cfg.eval_every, ">= 1 when eval_every > 0"),
         ("optim.lr", cfg.optim.lr, cfg.optim.lr > 0, "> 0"),
+        ("drivers.beta_growth", cfg.drivers.beta_growth, cfg.drivers.beta_growth > 0, "> 0"),
+        ("drivers.harder_at", cfg.drivers.harder_at, 0 <= cfg.drivers.harder_at <= cfg.steps,
+         "in [0 (never), steps]"),
         ("mechanism_batches", cfg.mechanism_batches, cfg.mechanism_batches >= 0,
          ">= 0 (0: no mechanism check)"),
     ]  # fmt: skip
@@ -312,6 +324,11 @@ def validate(cfg: DictConfig) -> None:
         if not ok:
             raise bad(key, value, valid)
     check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
+    if cfg.drivers.harder_at:  # the harder task's kwargs against the task's builder
+        if not cfg.drivers.harder:
+            raise bad("drivers.harder", {}, "the task kwargs that make it harder, e.g. "
+                      "{max_number: 20}, when drivers.harder_at > 0")  # fmt: skip
+        check_nodes(OmegaConf.create({"task": {**cfg.task, **cfg.drivers.harder}}))
     from analysis.claims import check_prereg
 
     check_prereg(OmegaConf.to_container(cfg.prereg, resolve=True))  # the preset's endpoints
@@ -347,6 +364,7 @@ class Setup:
     """What `run` builds: the task, the three policies and the optimizer state."""
 
     task: Task
+    harder_task: Task | None  # drivers.harder: the training task from drivers.harder_at on
     tok: Any
     policy: Engine  # π_θ: the trainer
     old_policy: Engine | None  # π_old at the behaviour weights; None: the training pass is π_old
@@ -389,8 +407,13 @@ def build_setup(cfg: DictConfig) -> Setup:
     )
     history = WeightHistory(a.staleness)
     history.push(model)
+    harder = None
+    if cfg.drivers.harder_at:
+        task_name, task_kw, _ = task_spec(cfg)
+        kw = {**task_kw, **OmegaConf.to_container(cfg.drivers.harder, resolve=True)}
+        harder = build(TASKS, task_name, "task", **kw)
     return Setup(
-        task, tok, policy, old_policy, sampler, teacher,
+        task, harder, tok, policy, old_policy, sampler, teacher,
         build_objective(obj_name, **obj_kw), opt, history, identity,
     )  # fmt: skip
 
@@ -497,6 +520,12 @@ def step_seed(cfg: DictConfig, step: int) -> int:
     return cfg.seed * 1_000_003 + step
 
 
+def beta_scale(cfg: DictConfig, step: int) -> float:
+    """drivers.beta_growth: 1 at step 1, linear to beta_growth at the last step."""
+    frac = (step - 1) / max(cfg.steps - 1, 1)
+    return 1.0 + (cfg.drivers.beta_growth - 1.0) * frac
+
+
 def token_budget(cfg: DictConfig, task: Task) -> int:
     """rollout.max_new_tokens, else (null, the default) the task's own budget."""
     return cfg.rollout.max_new_tokens or task.max_new_tokens
@@ -531,17 +560,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     s.sampler.load_weights_from_state(s.history.behaviour())
     update_meta(run_dir, resumed_from_step=start - 1)
     eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.eval_seed)
-    sampling = rollout_sampling(cfg, s.task)
     calibrated = hasattr(s.objective, "calibrate")
     nonfinite_run, last = 0, {}
+    sigma0 = [(n, n.sigma) for n in s.sampler.noise if hasattr(n, "sigma")]
     bar = tqdm(range(start, cfg.steps + 1), desc="train", disable=not cfg.progress)
     for step in bar:
         t0 = time.time()
         seed = step_seed(cfg, step)
-        problems = s.task.sample(cfg.rollout.prompts_per_step, "train", seed)
+        for noise, sigma in sigma0:  # drivers.beta_growth: a pure function of the step
+            noise.sigma = sigma * beta_scale(cfg, step)
+        harder = s.harder_task is not None and step >= cfg.drivers.harder_at
+        task = s.harder_task if harder else s.task
+        problems = task.sample(cfg.rollout.prompts_per_step, "train", seed)
+        sampling = rollout_sampling(cfg, task)
         if s.old_policy is not None and s.old_policy is not s.policy:
             s.old_policy.load_weights_from_state(s.history.behaviour())
-        reward = partial(s.task.rollout_rewards, problems, tokenizer=s.tok)
+        reward = partial(task.rollout_rewards, problems, tokenizer=s.tok)
         try:
             batch, ro, rewards = collect(
                 s.sampler, s.old_policy, [p.prompt for p in problems], reward, sampling,
@@ -575,6 +609,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         nonfinite_run = nonfinite_run + 1 if skipped and not updates else 0
         s.sampler.load_weights_from_state(s.history.behaviour())  # staleness: k steps old
         m = step_metrics(step, batch, ro, rewards, reps, updates, skipped, guard, cfg)
+        if cfg.drivers.beta_growth != 1.0:
+            m["drivers/beta_scale"] = beta_scale(cfg, step)
+        if s.harder_task is not None:
+            m["drivers/harder"] = float(harder)
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps or step == 1):
             m["eval/acc"] = evaluate(s.policy, s.task, eval_problems, cfg)
         m["time/step_s"] = round(time.time() - t0, 3)

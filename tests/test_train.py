@@ -532,3 +532,39 @@ def test_the_loop_honours_the_tasks_own_token_budget(tmp_path):
     own = train.run(_cfg(tmp_path / "a", "rollout.max_new_tokens=null", "steps=1"))
     capped = train.run(_cfg(tmp_path / "b", "steps=1"))  # TINY caps at 6
     assert capped["response/len"] <= 6 < own["response/len"] <= 24
+
+
+def test_beta_growth_scales_the_sampler_noise_linearly_over_the_run(tmp_path):
+    """drivers.beta_growth=3 over 3 steps: σ × 1, 2, 3. Step 1 equals the constant-β run; by step
+    3 the sampler's |log π_old − log μ| is ~3× the constant run's (logit noise on a near-uniform
+    tiny model: |Δ| grows linearly with σ)."""
+    noise = ["noise=logit", "noise.sigma=0.05", "steps=3"]
+    train.run(_cfg(tmp_path / "grow", *noise, "drivers.beta_growth=3"))
+    train.run(_cfg(tmp_path / "flat", *noise))
+    grow, flat = _metrics(tmp_path / "grow"), _metrics(tmp_path / "flat")
+    assert [r["drivers/beta_scale"] for r in grow] == [1.0, 2.0, 3.0]
+    assert grow[0]["dial/mean_abs_delta"] == flat[0]["dial/mean_abs_delta"]
+    ratio = grow[2]["dial/mean_abs_delta"] / flat[2]["dial/mean_abs_delta"]
+    assert 2.4 < ratio < 3.6
+
+
+def test_the_entropy_driver_switches_training_prompts_to_the_harder_task(tmp_path, monkeypatch):
+    from harness.tasks import ArithmeticTask
+
+    seen = []
+    sample = ArithmeticTask.sample
+
+    def spy(self, n, split="train", seed=0):
+        seen.append((split, self.digits))
+        return sample(self, n, split, seed)
+
+    monkeypatch.setattr(ArithmeticTask, "sample", spy)
+    train.run(_cfg(tmp_path, "steps=3", "drivers.harder_at=2", "+drivers.harder.digits=2",
+                   "eval_every=0", "mechanism_batches=0"))  # fmt: skip
+    assert [d for split, d in seen if split == "train"] == [1, 2, 2]
+    assert {d for split, d in seen if split == "eval"} == {1}  # the eval set stays the task's
+    assert [r["drivers/harder"] for r in _metrics(tmp_path)] == [0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="drivers.harder"):
+        train.validate(_cfg(tmp_path / "b", "drivers.harder_at=2"))
+    with pytest.raises((ValueError, TypeError), match="digts"):
+        train.validate(_cfg(tmp_path / "c", "drivers.harder_at=2", "+drivers.harder.digts=2"))
