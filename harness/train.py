@@ -520,6 +520,27 @@ def step_seed(cfg: DictConfig, step: int) -> int:
     return cfg.seed * 1_000_003 + step
 
 
+@torch.no_grad()
+def snr_refresh(s: Setup, cfg: DictConfig, task: Task, step: int) -> dict[str, float]:
+    """snr_shrink adaptive=true: a calibration pass at the live weights (the sampler, with its
+    noise, loaded with the trainer's current weights; the trainer scores at the same weights,
+    so Δ = log π_old − log μ is β alone) on prompts of its own, then the objective re-derives
+    λ_b and its bounds. Returns the new values and the pass's cost (snr/refresh_s)."""
+    t0 = time.time()
+    seed = step_seed(cfg, step) + 500_000  # prompts and draws apart from the training batches
+    problems = task.sample(cfg.rollout.prompts_per_step, "train", seed)
+    s.sampler.load_weights_from_state(s.history.newest())
+    reward = partial(task.rollout_rewards, problems, tokenizer=s.tok)
+    batch, _, _ = collect(
+        s.sampler, s.policy, [p.prompt for p in problems], reward, rollout_sampling(cfg, task),
+        seed=seed, advantage=cfg.advantage, mask_replay=cfg.engine.mask_replay,
+    )  # fmt: skip
+    s.sampler.load_weights_from_state(s.history.behaviour())
+    m = batch.mask.bool()
+    out = s.objective.refresh((batch.logp_recompute - batch.logp_mu)[m], batch.p_t[m])
+    return out | {"snr/refresh_s": time.time() - t0}
+
+
 def beta_scale(cfg: DictConfig, step: int) -> float:
     """drivers.beta_growth: 1 at step 1, linear to beta_growth at the last step."""
     frac = (step - 1) / max(cfg.steps - 1, 1)
@@ -561,6 +582,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     update_meta(run_dir, resumed_from_step=start - 1)
     eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.eval_seed)
     calibrated = hasattr(s.objective, "calibrate")
+    adaptive_snr = getattr(s.objective, "adaptive", False)
     nonfinite_run, last = 0, {}
     sigma0 = [(n, n.sigma) for n in s.sampler.noise if hasattr(n, "sigma")]
     bar = tqdm(range(start, cfg.steps + 1), desc="train", disable=not cfg.progress)
@@ -573,6 +595,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         task = s.harder_task if harder else s.task
         problems = task.sample(cfg.rollout.prompts_per_step, "train", seed)
         sampling = rollout_sampling(cfg, task)
+        snr = {}
+        if adaptive_snr and step > 1 and (step - 1) % s.objective.every == 0:
+            snr = snr_refresh(s, cfg, task, step)
         if s.old_policy is not None and s.old_policy is not s.policy:
             s.old_policy.load_weights_from_state(s.history.behaviour())
         reward = partial(task.rollout_rewards, problems, tokenizer=s.tok)
@@ -609,6 +634,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         nonfinite_run = nonfinite_run + 1 if skipped and not updates else 0
         s.sampler.load_weights_from_state(s.history.behaviour())  # staleness: k steps old
         m = step_metrics(step, batch, ro, rewards, reps, updates, skipped, guard, cfg)
+        m |= snr
         if cfg.drivers.beta_growth != 1.0:
             m["drivers/beta_scale"] = beta_scale(cfg, step)
         if s.harder_task is not None:

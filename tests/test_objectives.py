@@ -646,3 +646,20 @@ def test_opsd_prop1_sign_reversal_on_clipped_entries():
 
 def test_policy_objectives_share_the_composed_class():
     assert all(isinstance(build_objective(n), PolicyObjective) for n in POLICY)
+
+
+def test_adaptive_snr_refresh_recovers_lambda_from_known_alpha_and_beta():
+    """Ground truth: in the bin p_t ∈ [0.7, 0.9) Δ_cal ~ N(0, 0.1²) (β) and Δ_live ~ N(0, 0.1² +
+    0.2²) (α + β): Var α / Var(α+β) = 0.04/0.05 = 0.8. Bins with no tokens keep their values."""
+    from harness.objectives import build_objective
+
+    obj = build_objective("snr_shrink", adaptive=True, every=5, edges=[0.0, 0.7, 0.9, 1.0])
+    g = torch.Generator().manual_seed(0)
+    n = 200_000
+    obj.live_delta = torch.randn(n, generator=g) * (0.1**2 + 0.2**2) ** 0.5
+    obj.live_conf = torch.full((n,), 0.8)
+    out = obj.refresh(torch.randn(n, generator=g) * 0.1, torch.full((n,), 0.8))
+    assert out["snr/lam_b1"] == pytest.approx(0.8, abs=0.01)
+    assert out["snr/lam_b0"] == pytest.approx(0.85) and out["snr/lower_b0"] == 0.5  # no data
+    assert out["snr/lower_b1"] < 1 < out["snr/upper_b1"] and out["snr/n_live"] == n
+    assert len(obj.live_delta) == 0  # the live record starts afresh

@@ -61,6 +61,9 @@ def objective_overrides(name: str) -> list[str]:
         return ["objective=opsd_fkl", "distill.enabled=true", "objective.top_k=null"]
     if name == "calibrated_clip":  # its low-precision π_old is μ, its high-precision the trainer
         return ["objective=calibrated_clip", "engine.logp_old_source=sampler"]
+    if name == "snr_adaptive":  # refreshes at step 4 from steps 1-3's tokens (across a resume)
+        return ["objective=snr_shrink", "objective.adaptive=true", "objective.every=3",
+                "noise=logit", "++noise.sigma=0.5"]  # fmt: skip
     return [f"objective={name}"]
 
 
@@ -97,7 +100,7 @@ def test_distill_changes_the_student(tmp_path):
     assert diff > 0 and all(r["grad/norm"] > 0 for r in _metrics(tmp_path))
 
 
-@pytest.mark.parametrize("name", ["opsd_fkl", "nsr", "calibrated_clip"])
+@pytest.mark.parametrize("name", ["opsd_fkl", "nsr", "calibrated_clip", "snr_adaptive"])
 def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward):
     """Run 4 steps straight; run 2, 'crash', resume to 4: identical metric lines (CPU, seeds),
     also for the stateful objectives (NSR's generator, calibrated clipping's bounds)."""
@@ -114,7 +117,7 @@ def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward):
     (part / "metrics.jsonl").open("a").write('{"step": 3, "junk": 1}\n')  # a torn step 3
     train.run(_cfg(part, "steps=4", *common))
     a, b = _metrics(full), _metrics(part)
-    drop = {"time/step_s"}
+    drop = {"time/step_s", "snr/refresh_s"}
     assert [{k: v for k, v in r.items() if k not in drop} for r in a] == [
         {k: v for k, v in r.items() if k not in drop} for r in b
     ]
@@ -123,6 +126,10 @@ def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward):
         assert any(r["clip/frac_low"] + r["clip/frac_high"] > 0 for r in a)  # NSR had work
     if name == "calibrated_clip":
         assert len({r["calib/low"] for r in a}) > 1  # the bounds moved between steps
+    if name == "snr_adaptive":  # one refresh, at step 4, from the tokens of steps 1-3
+        assert [r["step"] for r in a if "snr/refreshed" in r] == [4]
+        assert a[3]["snr/n_live"] == sum(r["response/len"] for r in a[:3]) * 8
+        assert a[3]["snr/lam_b0"] != 0.85 and a[3]["snr/refresh_s"] > 0
 
 
 def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):

@@ -305,30 +305,82 @@ class SNRShrink(PolicyObjective):
     """SNR post (methods.md §2.3, DERIVED): w = clip(r^λ_b, l_b, u_b) per bin b of p_t, clamp-style.
 
     State (lam, lower, upper, one value per bin) is what the measurement procedure fills: pass
-    them as kwargs or `load_state_dict` them.
+    them as kwargs or `load_state_dict` them. `adaptive`: the post's method in training. The
+    objective records every training token's Δ_live = log π_θ − log μ (α + β, at the update)
+    and p_t; every `every` steps the loop runs a calibration pass at the live weights (θ on
+    both sides, the deployed sampler with its noise: Δ_cal = β) and `refresh` re-derives λ_b and
+    the three-job bounds [l_b, u_b] (harness.snr.SNRSplit) from Δ_cal and the Δ_live recorded
+    since the last refresh. Bins without an estimate keep their current values.
     """
 
     def __init__(
-        self, ratio: str, edges: Sequence[float], lam: Any, lower: Any, upper: Any, **agg: Any
+        self,
+        ratio: str,
+        edges: Sequence[float],
+        lam: Any,
+        lower: Any,
+        upper: Any,
+        adaptive: bool = False,
+        every: int = 10,
+        **agg: Any,
     ) -> None:
         super().__init__(Term(ratio, "token", "clamp"), **agg)
+        if every < 1:
+            raise ValueError(f"snr_shrink every={every}; valid: >= 1 (steps between refreshes)")
         self.edges = tuple(float(e) for e in edges)
         n_bins = len(edges) - 1
         self.lam, self.lower, self.upper = (per_bin(x, n_bins) for x in (lam, lower, upper))
+        self.adaptive, self.every = adaptive, every
+        self.live_delta, self.live_conf = torch.zeros(0), torch.zeros(0)
 
     def bounds(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
         p = trainer_prob(batch)
         b = bin_index(p, self.edges)
         return self.lam.to(p)[b], self.lower.to(p)[b], self.upper.to(p)[b]
 
+    def __call__(self, logp: Tensor, batch: TokenBatch):
+        if self.adaptive:  # the training tokens' α + β at the update
+            m = batch.mask.bool()
+            delta = (logp.detach() - batch.logp_mu)[m].float()
+            self.live_delta = torch.cat([self.live_delta, delta])
+            self.live_conf = torch.cat([self.live_conf, trainer_prob(batch)[m].float()])
+        return super().__call__(logp, batch)
+
+    @torch.no_grad()
+    def refresh(self, delta_cal: Tensor, conf_cal: Tensor) -> dict[str, float]:
+        """Re-derive λ_b, l_b, u_b from a calibration pass (Δ_cal, p_t) and the recorded Δ_live;
+        the live record starts afresh. Returns the new values per bin as metrics."""
+        from harness.snr import SNRSplit, shrink_kwargs
+
+        split = SNRSplit(self.edges)
+        split.add_cal(delta_cal.double().numpy(), conf_cal.double().numpy())
+        split.add_live(self.live_delta.double().numpy(), self.live_conf.double().numpy())
+        table = split.bounds()
+        kw = shrink_kwargs(table, fill_lam=math.nan, fill_bounds=(math.nan, math.nan))
+        for name in ("lam", "lower", "upper"):
+            new = torch.tensor(kw[name], dtype=getattr(self, name).dtype)
+            setattr(self, name, torch.where(new.isfinite(), new, getattr(self, name)))
+        out = {"snr/refreshed": 1.0, "snr/n_cal": float(len(delta_cal)),
+               "snr/n_live": float(len(self.live_delta))}  # fmt: skip
+        for b in range(len(self.edges) - 1):
+            out |= {f"snr/lam_b{b}": float(self.lam[b]), f"snr/lower_b{b}": float(self.lower[b]),
+                    f"snr/upper_b{b}": float(self.upper[b])}  # fmt: skip
+        self.live_delta, self.live_conf = torch.zeros(0), torch.zeros(0)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        return {"lam": self.lam.clone(), "lower": self.lower.clone(), "upper": self.upper.clone()}
+        return {
+            "lam": self.lam.clone(), "lower": self.lower.clone(), "upper": self.upper.clone(),
+            "live_delta": self.live_delta.clone(), "live_conf": self.live_conf.clone(),
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         n_bins = len(self.edges) - 1
         self.lam, self.lower, self.upper = (
             per_bin(state[k], n_bins) for k in ("lam", "lower", "upper")
         )
+        self.live_delta = state.get("live_delta", torch.zeros(0))
+        self.live_conf = state.get("live_conf", torch.zeros(0))
 
 
 @register(OBJECTIVES, "snr_shrink")
@@ -339,17 +391,24 @@ def snr_shrink(
     lam: float | Sequence[float] = 0.85,
     lower: float | Sequence[float] = 0.5,
     upper: float | Sequence[float] = 2.0,
+    adaptive: bool = False,
+    every: int = 10,
     aggregation: str = "token-mean",
     rejected_in_denominator: bool = True,
     norm_len: int | None = None,
 ) -> SNRShrink:
-    """SNR shrink: −sg(clip(r^λ_b, l_b, u_b))·A·log π; defaults λ = 0.85 (Table 6), [0.5, 2]."""
+    """SNR shrink: −sg(clip(r^λ_b, l_b, u_b))·A·log π; defaults λ = 0.85 (Table 6), [0.5, 2].
+    adaptive=true: λ_b and [l_b, u_b] re-derived every `every` steps from a calibration pass at
+    the live weights and the training tokens since the last refresh (the initial values until
+    the first refresh)."""
     return SNRShrink(
         ratio,
         edges,
         lam,
         lower,
         upper,
+        adaptive,
+        every,
         aggregation=aggregation,
         rejected_in_denominator=rejected_in_denominator,
         norm_len=norm_len,
