@@ -15,6 +15,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from harness.tasks import TEACHER_PROMPT
+
 
 @dataclass
 class ModelCfg:
@@ -71,7 +73,7 @@ class GuardCfg:
 @dataclass
 class DistillCfg:
     enabled: bool = False  # on-policy self-distillation (seed 003) instead of GRPO
-    teacher_prompt: str = "Reference solution: {solution}\n{prompt}"
+    teacher_prompt: str = TEACHER_PROMPT  # warm-start recipes' privileged_frac train on it
 
 
 @dataclass

@@ -11,6 +11,8 @@ scores `batches` rollout batches and reports, on r = π_old/μ:
                     when π_old := μ (the FP8 mechanism of seed 002)
   pos_high_clip     share of A > 0 tokens with r > 1 + ε_high
   sampler_reward    μ's own mean reward (β so large that μ earns nothing is past usable)
+  teacher_acc, student_acc, teacher_ref_logp, student_ref_logp   (OPSD runs, distill.enabled)
+                    the teacher (reference solution in its prompt) must beat its student
 
 The band is the objective's `lo`/`hi` when it has them, else [0.5, 2]; ε the objective's
 `eps_low`/`eps_high`, else 0.2/0.28.
@@ -23,6 +25,7 @@ writes `mechanism.json` into the run's directory (the one `harness.train` would 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -101,10 +104,11 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
     s = build_setup(cfg)
     sampling = rollout_sampling(cfg, s.task)
     band, eps = band_and_eps(cfg.objective)
-    parts, rewards = [], []
+    parts, rewards, seen = [], [], []
     for step in range(1, cfg.mechanism_batches + 1):
         seed = step_seed(cfg, step)  # the run's own first prompts and samples
         problems = s.task.sample(cfg.rollout.prompts_per_step, "train", seed)
+        seen += problems
         reward = partial(s.task.rollout_rewards, problems, tokenizer=s.tok)
         batch, _, rew = collect(
             s.sampler, s.policy, [p.prompt for p in problems], reward, sampling, seed=seed,
@@ -116,6 +120,8 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
     s.sampler.close()
     x, p_t, adv, mask = (torch.cat([p[k].flatten() for p in parts])[None] for k in range(4))
     out = check(x, p_t, adv, mask, band, eps)
+    if s.teacher is not None:
+        out |= opsd_check(s, cfg, seen, sampling.max_new_tokens)
     return {
         **out,
         "sampler_reward": float(torch.cat(rewards).mean()),
@@ -124,6 +130,32 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
         "eps": list(eps),
         "batches": cfg.mechanism_batches,
     }
+
+
+def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, float]:
+    """OPSD (seed 003) needs a teacher better than its student: both policies' sampled accuracy
+    on these problems (the teacher with the reference solution in its prompt, the student
+    without; T = the rollout's) and the mean per-token log-prob each gives the reference
+    solution + EOS, teacher-forced."""
+    from harness.engines import Engine
+    from harness.tasks import teacher_prompt
+    from harness.warmstart import sft_batch, sft_loss
+
+    privileged = [
+        replace(p, prompt=teacher_prompt(p, cfg.distill.teacher_prompt)) for p in problems
+    ]
+    out = {}
+    for who, model, probs in [
+        ("teacher", s.teacher, privileged),
+        ("student", s.policy.model, problems),
+    ]:
+        ro = Engine(model, s.tok).generate(
+            [p.prompt for p in probs], n=1, max_new_tokens=budget,
+            temperature=cfg.rollout.temperature, seed=cfg.eval_seed,
+        )  # fmt: skip
+        out[f"{who}_acc"] = float(s.task.rollout_rewards(problems, ro, s.tok).mean())
+        out[f"{who}_ref_logp"] = -float(sft_loss(model, *sft_batch(probs, s.tok)))
+    return out
 
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")

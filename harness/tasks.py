@@ -45,6 +45,15 @@ class Problem:
     info: dict = field(default_factory=dict, compare=False)
 
 
+# OPSD's teacher sees the reference solution (seed 003); warm-start recipes with privileged_frac
+# > 0 train on this format too, so the teacher is in distribution (issue 16)
+TEACHER_PROMPT = "Reference solution: {solution}\n{prompt}"
+
+
+def teacher_prompt(problem: Problem, template: str = TEACHER_PROMPT) -> str:
+    return template.format(prompt=problem.prompt, solution=problem.solution)
+
+
 def check_split(split: str) -> None:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")

@@ -51,7 +51,7 @@ from harness.objectives import build_objective
 from harness.registry import build
 from harness.repetition import copy_token_probs, exit_mass, repetition_report
 from harness.step import ADVANTAGES, Sampling, collect, update, update_distill
-from harness.tasks import TASKS, Task
+from harness.tasks import TASKS, Task, teacher_prompt
 
 
 class TrainingAborted(RuntimeError):
@@ -491,9 +491,7 @@ def repetition_reports(ro: Rollout) -> list[dict]:
 
 def distill_inputs(cfg: DictConfig, s: Setup, problems, reps: list[dict]):
     """The teacher's privileged prompts (one per row) and the per-minibatch exit-mass metrics."""
-    t_prompts = [
-        cfg.distill.teacher_prompt.format(prompt=p.prompt, solution=p.solution) for p in problems
-    ]
+    t_prompts = [teacher_prompt(p, cfg.distill.teacher_prompt) for p in problems]
     t_ids, t_mask = s.policy.encode_prompts(t_prompts)
     g = cfg.rollout.group_size
     exit_metrics = lambda st, te, rows: copy_exit_mass(st, te, [reps[r] for r in rows])  # noqa: E731

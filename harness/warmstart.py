@@ -31,6 +31,7 @@ import random
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ from harness.engines import Engine
 from harness.io import write_json_atomic
 from harness.models import cache_dir, char_tokenizer, weights_sha
 from harness.registry import build
-from harness.tasks import TASKS, Problem, Task
+from harness.tasks import TASKS, Problem, Task, teacher_prompt
 
 SHIPPED = Path(__file__).parent / "task_models"  # the canonical task models
 RECIPE_VERSION = 1  # bump when the training code changes what a recipe produces
@@ -61,6 +62,9 @@ COMMON = dict(
     decay="cosine",
     weight_decay=0.01,
     wrong_frac=0.0,
+    # share of SFT examples whose prompt carries the reference solution (tasks.TEACHER_PROMPT):
+    # an OPSD teacher in distribution (issue 16); 0 for the shipped recipes
+    privileged_frac=0.0,
     seed=0,
 )
 # arithmetic: 2.9M params, 1000 SFT steps (~6.5 min on 1 quiet CPU core) stop inside the phase
@@ -86,7 +90,7 @@ SMALL_ARITHMETIC = dict(
 )
 # Fields added after recipe version 1, with the value version 1 implied: a recipe that keeps that
 # value hashes as it did then (so "2ba4eb992777" still names SMALL_ARITHMETIC's recipe).
-V1_IMPLIED = {"decay": "constant"}
+V1_IMPLIED = {"decay": "constant", "privileged_frac": 0.0}
 DECAYS = ("cosine", "constant")
 MODEL_KEYS = (
     "hidden_size",
@@ -201,12 +205,20 @@ def train_task_model(
     model = init_model(cfg, tok).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     rng = random.Random(f"wrong/{cfg['seed']}")
+    privileged = random.Random(f"privileged/{cfg['seed']}")  # drawn only when the share is > 0
     bar = trange(cfg["steps"], desc=f"warm-start {cfg['task']}", disable=not progress)
     for step in bar:
         problems = task.sample(cfg["batch_size"], "train", seed=cfg["seed"] * 1_000_003 + step)
         problems = [
             corrupt_answer(p, rng) if rng.random() < cfg["wrong_frac"] else p for p in problems
         ]
+        if cfg["privileged_frac"] > 0:
+            problems = [
+                replace(p, prompt=teacher_prompt(p))
+                if privileged.random() < cfg["privileged_frac"]
+                else p
+                for p in problems
+            ]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss = sft_loss(model, *sft_batch(problems, tok))
@@ -336,17 +348,18 @@ def evaluate_policy(
     seed: int = 0,
     split: str = "eval",
     batch: int = 128,
+    privileged: bool = False,
 ) -> dict[str, float]:
     """Sampled accuracy on `n` problems, plus the fork fraction (response tokens with p_t < 0.5
-    under the T = 1 policy) and the mean per-token entropy."""
+    under the T = 1 policy) and the mean per-token entropy. `privileged`: the prompts carry the
+    reference solution (OPSD's teacher format, tasks.TEACHER_PROMPT)."""
     engine = Engine(model.eval(), tok)
     problems = task.sample(n, split, seed)
     rewards, forks, ents, lens = [], [], [], []
     for i in range(0, n, batch):
         chunk = problems[i : i + batch]
-        ro = engine.generate(
-            [p.prompt for p in chunk], 1, task.max_new_tokens, temperature, seed=seed + i
-        )
+        prompts = [teacher_prompt(p) if privileged else p.prompt for p in chunk]
+        ro = engine.generate(prompts, 1, task.max_new_tokens, temperature, seed=seed + i)
         stats = engine.score(ro.tokens, ro.attention_mask, ro.n_prompt)
         mask = ro.response_mask.bool()
         forks.append(stats["p_t"][mask] < 0.5)
@@ -409,6 +422,10 @@ def main_cli(cfg) -> dict:
     }
     report["params"] = sum(p.numel() for p in model.parameters())
     report.update(evaluate_policy(model, tok, build_task(recipe), eval_n, seed=eval_seed))
+    if recipe["privileged_frac"] > 0:  # the OPSD teacher: the same model, solution in the prompt
+        report["teacher"] = evaluate_policy(
+            model, tok, build_task(recipe), eval_n, seed=eval_seed, privileged=True
+        )
     report.update(eval_n=eval_n, eval_seed=eval_seed, build_s=round(time.time() - t0, 1))
     if rebuild:
         report["rebuild"] = rebuild_report(model, recipe)

@@ -575,3 +575,17 @@ def test_the_entropy_driver_switches_training_prompts_to_the_harder_task(tmp_pat
         train.validate(_cfg(tmp_path / "b", "drivers.harder_at=2"))
     with pytest.raises((ValueError, TypeError), match="digts"):
         train.validate(_cfg(tmp_path / "c", "drivers.harder_at=2", "+drivers.harder.digts=2"))
+
+
+def test_the_opsd_mechanism_check_compares_teacher_and_student(tmp_path):
+    """Ground truth: with a teacher prompt that hides the solution ("{prompt}") the teacher is
+    the student (a frozen copy of the same initial weights): equal accuracy and log-prob."""
+    from harness import mechanism
+
+    opsd = ["objective=opsd_fkl", "distill.enabled=true", "objective.top_k=null"]
+    same = mechanism.run(_cfg(tmp_path / "a", *opsd, "distill.teacher_prompt='{prompt}'"))
+    assert same["teacher_ref_logp"] == pytest.approx(same["student_ref_logp"], abs=1e-6)
+    assert same["teacher_acc"] == same["student_acc"]
+    real = mechanism.run(_cfg(tmp_path / "b", *opsd))
+    assert real["teacher_ref_logp"] != pytest.approx(real["student_ref_logp"], abs=1e-6)
+    assert math.isfinite(real["teacher_ref_logp"]) and 0 <= real["teacher_acc"] <= 1

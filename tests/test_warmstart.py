@@ -5,6 +5,7 @@ import copy
 import json
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -274,3 +275,28 @@ def test_the_default_recipes_ship_and_match_their_manifest():
         assert json.loads((W.SHIPPED / h / "recipe.json").read_text()) == recipe
         model, _ = W.load_task_model(recipe["task"], progress=False, **manifest[h]["overrides"])
         assert weights_sha(model) == manifest[h]["weights_sha"]
+
+
+def test_privileged_frac_trains_on_the_teacher_format_and_keeps_the_shipped_hashes(monkeypatch):
+    """privileged_frac=0.5: about half the SFT prompts carry the reference solution
+    (tasks.TEACHER_PROMPT); 0 (the default) draws nothing, so shipped recipes hash as before."""
+    from harness.tasks import teacher_prompt
+
+    seen = []
+    batch = W.sft_batch
+
+    def spy(problems, tok):
+        seen.extend(problems)
+        return batch(problems, tok)
+
+    monkeypatch.setattr(W, "sft_batch", spy)
+    recipe = W.resolve_recipe("arithmetic", **{**TINY, "steps": 8}, privileged_frac=0.5,
+                              task_kwargs={"digits": 1})  # fmt: skip
+    W.train_task_model(recipe, progress=False)
+    privileged = [p for p in seen if p.prompt.startswith("Reference solution: ")]
+    assert 0.3 < len(privileged) / len(seen) < 0.7
+    assert all(p.prompt == teacher_prompt(replace(p, prompt=p.prompt.split("\n", 1)[1]))
+               for p in privileged)  # fmt: skip
+    for task, h in [("arithmetic", "a814f17fcbcb"), ("countdown", "1d46e5429706")]:
+        assert W.recipe_hash(W.resolve_recipe(task)) == h
+    assert W.recipe_hash(W.resolve_recipe("arithmetic", privileged_frac=0.4)) != "a814f17fcbcb"
