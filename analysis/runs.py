@@ -86,8 +86,8 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
             run=run.name, arm=arm_label(exp, cfg), seed=cfg["seed"],
             objective=cfg["objective"]["name"],
             noise=cfg["noise"]["name"], sigma=cfg["noise"].get("sigma"),
-            staleness=cfg["alpha"]["staleness"], minibatches=cfg["alpha"]["minibatches"],
-            lr=cfg["optim"]["lr"], logp_old_source=cfg["engine"]["logp_old_source"],
+            staleness=cfg["alpha"]["staleness"], minibatches=cfg["alpha"].get("minibatches"),
+            lr=cfg.get("optim", {}).get("lr"), logp_old_source=cfg["engine"]["logp_old_source"],
             steps=cfg["steps"], weights_sha=model.get("weights_sha"),
             recipe_hash=model.get("recipe_hash"),
         ))  # fmt: skip

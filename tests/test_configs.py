@@ -74,6 +74,7 @@ def test_every_preset_exists():
         "opsd_repetition",
         "nsr_vs_decay",
         "phase_diagram",
+        "alpha_calibration",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
@@ -87,6 +88,7 @@ def test_preset_composes_over_its_grid(name, tmp_path):
     assert sweep, f"{name}: no hydra.sweeper.params grid"
     if job == "train":
         assert isinstance(obj, TrainConfig)
+    if job == "train" and name != "alpha_calibration":  # that one is a table, not a comparison
         seeds = OverridesParser.create().parse_overrides([f"seed={sweep['seed']}"])[0]
         assert len(list(seeds.sweep_string_iterator())) >= 3, f"{name}: fewer than 3 seeds"
     for point in grid(sweep):

@@ -62,9 +62,11 @@ def test_summarize_reads_raw_runs(tmp_path):
         run = tmp_path / "nsr_vs_decay" / f"objective.mode=push,seed={seed}"
         run.mkdir(parents=True)
         cfg = {"seed": seed, "steps": 3, "objective": {"name": "nsr", "mode": "push"},
-               "noise": {"name": "logit", "sigma": 0.3}, "alpha": {"staleness": 0},
-               "engine": {"logp_old_source": "sampler"}}  # fmt: skip
+               "noise": {"name": "logit", "sigma": 0.3},
+               "alpha": {"staleness": 0, "minibatches": 1}, "optim": {"lr": 1e-4},
+               "engine": {"logp_old_source": "sampler"}, "prereg": {"claim": "c"}}  # fmt: skip
         (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (run / "mechanism.json").write_text(json.dumps({"oob_frac": 0.1 * (seed + 1)}))
         lines = [{"step": s, "reward/mean": 0.1 * s, "clip/frac_low": 0.01} for s in range(1, 4)]
         (run / "metrics.jsonl").write_text(
             "".join(json.dumps(m) + "\n" for m in lines[:steps_done])
@@ -74,6 +76,13 @@ def test_summarize_reads_raw_runs(tmp_path):
     assert len(df) == 5 and set(df.arm) == {"push control"}
     assert df.groupby("seed").complete.all().to_dict() == {0: True, 1: False}
     assert df.reward_mean.max() == pytest.approx(0.3) and df.eval_acc.isna().all()
+    mech = pd.read_csv(tmp_path / "nsr_vs_decay" / "mechanism.csv")
+    assert mech.oob_frac.tolist() == [0.1, 0.2] and mech.trained.all()
+    assert yaml.safe_load((tmp_path / "nsr_vs_decay" / "prereg.yaml").read_text()) == {"claim": "c"}
+    cfg["prereg"] = {"claim": "changed after the first run"}  # a run under another prereg
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match="different pre-registrations"):
+        summarize(["nsr_vs_decay", "--results", str(tmp_path)])
 
 
 def test_summaries_must_name_the_shipped_weights_of_their_recipe():
