@@ -151,7 +151,12 @@ def claims(root: Path) -> pd.DataFrame:
     for exp in EXPERIMENTS:
         path = root / exp / "prereg.yaml"
         if not path.exists():
-            rows.append({"experiment": exp, "verdict": "not pre-registered yet (issue 16)"})
+            rows.append(
+                {
+                    "experiment": exp,
+                    "verdict": "not yet run on the pre-registered testbed (no prereg.yaml)",
+                }
+            )
             continue
         prereg = yaml.safe_load(path.read_text())
         check_prereg(prereg)
