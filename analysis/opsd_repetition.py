@@ -13,6 +13,11 @@ PANELS = [  # column, title, y label
     ("repetition_terminal_loop_rate", "Terminal-loop rate (5-step mean)", "fraction of responses"),
     ("repetition_rate", "Any-repetition rate (5-step mean)", "fraction of responses"),
     ("response_len", "Response length (5-step mean)", "tokens"),
+    (
+        "repetition_exit_mass_ratio",
+        "Exit-mass ratio R = Σ(1−q)/Σ(1−p) (< 1: student loops more)",
+        "R at first-copy positions",
+    ),
     ("eval_acc", "Held-out accuracy", "accuracy (128 problems)"),
 ]
 
@@ -20,7 +25,10 @@ PANELS = [  # column, title, y label
 def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
     df = load_summary(root, EXP)
-    df = smooth(df[df.complete], [c for c, *_ in PANELS[:3]])
+    df = df[df.complete]
+    if "repetition_exit_mass_ratio" not in df:  # summaries made before it was collected
+        df = df.assign(repetition_exit_mass_ratio=float("nan"))
+    df = smooth(df, [c for c, *_ in PANELS[:4]])
     set_theme()
     title = "OPSD, task model (teacher: initial model + reference solution)"
     path = root / EXP / "fig_opsd_repetition"

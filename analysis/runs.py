@@ -24,7 +24,8 @@ import yaml
 METRICS = [
     "reward/mean", "eval/acc", "entropy/mean", "response/len", "clip/frac_low", "clip/frac_high",
     "mask/frac", "rescue/frac", "dial/out_of_band_frac", "dial/mean_abs_delta", "is/weight_mean",
-    "dial/kl_k3", "repetition/terminal_loop_rate", "repetition/rate", "collapse/events",
+    "dial/kl_k3", "repetition/terminal_loop_rate", "repetition/rate",
+    "repetition/exit_mass_ratio", "collapse/events",
     "time/step_s",
 ]  # fmt: skip
 
@@ -258,7 +259,9 @@ def panel_row(
         ax.set(title=panel_title, xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
         if i in legend_on:
             sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
-        if d[col].max() == 0:  # a line on the axis is invisible: say it
+        if d[col].isna().all():  # a metric these runs did not log
+            ax.text(0.5, 0.5, "not recorded in these runs", transform=ax.transAxes, ha="center")
+        elif d[col].max() == 0:  # a line on the axis is invisible: say it
             ax.text(0.5, 0.5, "0 in every run and step", transform=ax.transAxes, ha="center")
     n = df.groupby("arm").seed.nunique().min()
     fig.suptitle(f"{title}; mean, 95% t-CI, {n} seeds")
