@@ -22,6 +22,7 @@ A preset's `prereg` node (written before its runs; harness.train validates it be
           n: 3                    # last_evals: how many of the last evaluations
           test: paired_t | tost | fisher
           margin: 0.02            # tost: the equivalence margin
+          where: {sigma: 1.0}     # optional: only runs whose summary columns equal these
           predicted: greater | less   # treatment vs control, as the seed predicts
 
 Tests are two-sided at α = 0.05 (Fisher: one-sided in the predicted direction, the seed's
@@ -84,11 +85,19 @@ def check_prereg(prereg: Any) -> None:
         if ep["test"] == "fisher":
             need(ep["reduce"] == "final_any", at + "reduce", ep["reduce"],
                  "final_any (Fisher's test counts runs with an event)")  # fmt: skip
+        where = ep.get("where", {})
+        need(isinstance(where, dict), at + "where", where, "a mapping of summary columns to values")
 
 
 def endpoint_values(df: pd.DataFrame, ep: dict) -> pd.Series:
     """One number per complete run, indexed by (arm, seed), reduced as registered."""
     runs = df[df.complete]
+    for key, value in (ep.get("where") or {}).items():  # one cell of a grid
+        if key not in runs:
+            raise ValueError(f"prereg where: {key!r} is not a summary.csv column")
+        runs = runs[
+            np.isclose(runs[key], value) if isinstance(value, float) else runs[key] == value
+        ]
     col = ep["metric"]
     if ep["reduce"] == "window_mean":
         lo, hi = ep["window"]
@@ -170,6 +179,7 @@ def claims(root: Path) -> pd.DataFrame:
                 "experiment": exp, "claim": prereg["claim"], "source": prereg["source"],
                 "treatment": tr, "control": ct, "endpoint": ep["name"], "metric": ep["metric"],
                 "reduce": ep["reduce"], "test": ep["test"], "predicted": ep["predicted"],
+                "where": ", ".join(f"{k}={v}" for k, v in (ep.get("where") or {}).items()),
                 "seeds_planned": prereg["seeds"],
                 "mechanism_treatment": mechanism_summary(mech, df, tr),
                 "mechanism_control": mechanism_summary(mech, df, ct), **res,
@@ -196,8 +206,9 @@ def markdown(table: pd.DataFrame) -> str:
                 f"{_fmt(r.get('ci_hi'), '+.4f')}]") if "diff" in r else "—"  # fmt: skip
         means = f"{_fmt(r.get('treatment_mean'), '.4f')} vs {_fmt(r.get('control_mean'), '.4f')}"
         pairs = f"{int(r['pairs'])}/{int(r['seeds_planned'])} seeds"
+        cell = f" at {r['where']}" if r.get("where") else ""
         lines.append(
-            f"| {r['experiment']} | {r['claim']} ({r['source']}) | {r['endpoint']}: "
+            f"| {r['experiment']} | {r['claim']} ({r['source']}) | {r['endpoint']}{cell}: "
             f"{r['metric']}, {r['reduce']} ({r['test']}, predicted {r['predicted']}) | "
             f"{r['treatment']} vs {r['control']}: {means} ({pairs}) | {diff} | "
             f"{_fmt(r.get('stat'))} | {_fmt(r.get('p'), '.3g')} | {r['verdict']} | "

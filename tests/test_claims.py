@@ -104,3 +104,12 @@ def test_verdicts_follow_the_registered_test_and_direction():
                            "test": "paired_t", "predicted": "greater", "seeds_planned": 4,
                            "mechanism_treatment": "mm", **res}])  # fmt: skip
     assert "| reproduced | mm |" in markdown(table)
+
+
+def test_where_selects_one_cell_of_a_grid():
+    df = _summary({(a, s): [0, 0, s, s] for a in "TC" for s in range(3)})
+    df["sigma"] = [0.5 if seed == 2 else 1.0 for seed in df.seed]
+    ep = {"metric": "m", "reduce": "window_mean", "window": [3, 4], "where": {"sigma": 1.0}}
+    assert sorted(endpoint_values(df, ep).index) == [("C", 0), ("C", 1), ("T", 0), ("T", 1)]
+    with pytest.raises(ValueError, match="'noise' is not a summary.csv column"):
+        endpoint_values(df, {**ep, "where": {"noise": "logit"}})
