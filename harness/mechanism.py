@@ -32,12 +32,12 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from harness import config as _config  # noqa: F401  (registers train_schema)
 from harness.diagnostics import BAND, FORK_P, fork_oob_share, out_of_band, out_of_band_frac
-from harness.io import write_json_atomic
+from harness.io import write_json_atomic, write_text_atomic
 from harness.step import collect
 
 EPS = (0.2, 0.28)
@@ -164,6 +164,8 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
 @hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
     out = run(cfg)
+    # the folder describes itself: the config beside the numbers (analysis.summarize reads both)
+    write_text_atomic(Path(cfg.out) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     path = write_json_atomic(Path(cfg.out) / "mechanism.json", out)
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()))
     print(f"[mechanism] wrote {path}")

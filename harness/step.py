@@ -135,12 +135,15 @@ def update(
     grad_clip: float,
     *,
     mask_replay: bool = True,
+    logp_old_source: str = "trainer",
     calibrate: bool = False,
     on_step: Callable[[], None] | None = None,
     restore: Callable[[], None] | None = None,
 ) -> tuple[TokenBatch, list[dict[str, float]], int]:
     """One optimizer step per (rows, lag) minibatch of `schedule`, in order. `batch.logp_old`
-    None: π_old := the first pass's detached π_θ (one minibatch only). `calibrate`: the first
+    None: the first pass's detached π_θ is the trainer's score at the behaviour weights (one
+    minibatch only), and π_old is it or, with `logp_old_source="sampler"`, μ (as `collect` does
+    for a separate recompute). `calibrate`: the first
     minibatch feeds the objective's calibration first (calibrated clipping: the trainer
     recompute `logp_recompute` is its high-precision π_old, `logp_old` the low-precision one).
     `on_step()` runs after each optimizer step (the loop's weight history); `restore()` after a
@@ -158,7 +161,7 @@ def update(
         if batch.logp_old is None:  # the pass is in `rows` order (a permutation of all rows)
             order = torch.empty_like(rows)
             order[rows] = torch.arange(len(rows))
-            batch = batch.with_old({k: v[order] for k, v in out.items()})
+            batch = batch.with_old({k: v[order] for k, v in out.items()}, logp_old_source)
         logp, mb = out["logp"], batch.index(rows)
         if calibrate and i == 0:
             metrics.append(

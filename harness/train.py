@@ -626,7 +626,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             calibrate = calibrated and (step - 1) % s.objective.calibrate_every == 0
             batch, updates, skipped = update(
                 s.policy, s.objective, batch, ro, schedule, s.opt, cfg.optim.grad_clip,
-                mask_replay=cfg.engine.mask_replay, calibrate=calibrate, on_step=push,
+                mask_replay=cfg.engine.mask_replay, logp_old_source=cfg.engine.logp_old_source,
+                calibrate=calibrate, on_step=push,
                 restore=restore,
             )  # fmt: skip
         nonfinite_run = nonfinite_run + 1 if skipped and not updates else 0

@@ -222,6 +222,28 @@ def test_training_pass_doubles_as_logp_old_recompute(tiny_llama):
         assert (v.detach() - ref[k][rows])[m].abs().max() <= 1e-5, k
 
 
+def test_pi_old_from_the_sampler_is_honoured_when_the_training_pass_is_reused(
+    tmp_path, alternating_reward
+):
+    """engine.logp_old_source=sampler with the default reuse path (staleness 0, one minibatch):
+    π_old := μ, so under logit noise the PPO window clips at θ = θ_old, and the run equals the
+    one with a separate recompute. Before the fix the reuse path silently took the trainer as
+    π_old: nothing clipped and the setting did nothing (found in the issue-16 FP8 rerun)."""
+    common = ["steps=2", "eval_every=0", "engine.logp_old_source=sampler", "noise=logit",
+              "noise.sigma=1.0", "mechanism_batches=0"]  # fmt: skip
+    runs = {}
+    for reuse in ("true", "false"):
+        train.run(_cfg(tmp_path / reuse, *common, f"reuse_old_logp={reuse}"))
+        runs[reuse] = _metrics(tmp_path / reuse)
+    assert runs["true"][0]["clip/frac_low"] + runs["true"][0]["clip/frac_high"] > 0.05
+    for a, b in zip(runs["true"], runs["false"]):
+        for k in a.keys() - {"time/step_s"}:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6, nan_ok=True), k
+    train.run(_cfg(tmp_path / "trainer", *common[:-2], "noise=logit", "noise.sigma=1.0",
+                   "engine.logp_old_source=trainer", "mechanism_batches=0"))  # fmt: skip
+    assert _metrics(tmp_path / "trainer")[0]["clip/frac_low"] == 0  # θ = θ_old: r ≡ 1
+
+
 def test_the_reused_training_pass_is_pi_old_row_for_row(tmp_path, alternating_reward):
     """Staleness 0, one (shuffled) minibatch, no noise: π_old from the training pass must equal
     μ token for token, so every ratio is 1 and nothing clips at θ = θ_old; and the run must equal
