@@ -23,7 +23,7 @@ def clip_table(df):
     """Mean clipped share (low + high) over steps ≥ 2 per (lr, minibatches, staleness)."""
     d = df[df.complete & (df.step >= 2)].assign(clip=lambda x: x.clip_frac_low + x.clip_frac_high)
     return d.groupby(["lr", "minibatches", "staleness"]).agg(
-        clip=("clip", "mean"), low=("clip_frac_low", "mean"), high=("clip_frac_high", "mean")
+        clipped=("clip", "mean"), low=("clip_frac_low", "mean"), high=("clip_frac_high", "mean")
     )  # fmt: skip
 
 
@@ -33,14 +33,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = ["| lr | minibatches m | staleness k | clipped (low + high) | low | high |",
             "|---|---|---|---|---|---|"]  # fmt: skip
     for (lr, m, k), r in t.iterrows():
-        rows.append(f"| {lr:g} | {m} | {k} | {r.clip:.2%} | {r.low:.2%} | {r.high:.2%} |")
+        rows.append(f"| {lr:g} | {m} | {k} | {r.clipped:.2%} | {r.low:.2%} | {r.high:.2%} |")
     write_text_atomic(root / EXP / "table.md", "\n".join(rows) + "\n")
     set_theme()
     lrs = sorted(t.index.get_level_values(0).unique())
     fig, axes = plt.subplots(1, len(lrs), figsize=(4.2 * len(lrs), 3.6), squeeze=False)
     for ax, lr in zip(axes[0], lrs):
-        c = t.loc[lr].clip.unstack("staleness")
-        sns.heatmap(c * 100, annot=True, fmt=".2f", vmin=0, vmax=max(5, t.clip.max() * 100),
+        c = t.loc[lr].clipped.unstack("staleness")
+        sns.heatmap(c * 100, annot=True, fmt=".2f", vmin=0, vmax=max(5, t.clipped.max() * 100),
                     cmap="magma", ax=ax, cbar_kws={"label": "% of tokens clipped"})  # fmt: skip
         ax.set(title=f"lr {lr:g}", xlabel="staleness k", ylabel="minibatches m")
         ax.invert_yaxis()
