@@ -95,8 +95,8 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-MECHANISM = ["oob_frac", "fork_oob_share", "fork_frac", "forks_deleted", "neg_low_clip",
-             "pos_high_clip", "sampler_reward", "n_tokens"]  # fmt: skip
+MECHANISM = ["mean_abs_delta", "oob_frac", "fork_oob_share", "fork_frac", "forks_deleted",
+             "neg_low_clip", "pos_high_clip", "sampler_reward", "n_tokens"]  # fmt: skip
 
 
 def load_mechanism(root: Path, exp: str) -> pd.DataFrame:

@@ -4,6 +4,7 @@ A null result means something only where its mechanism was present. Before any u
 (θ = θ_old), with the run's own sampler μ (its noise), trainer, task and rollout config, this
 scores `batches` rollout batches and reports, on r = π_old/μ:
 
+  mean_abs_delta    mean |log π_old − log μ| over response tokens (the size of β at step 0)
   oob_frac          share of response tokens with r outside the band [lo, hi]
   fork_oob_share    share of those out-of-band tokens that are forks (trainer p_t < 0.5)
   forks_deleted     share of fork tokens a reject rule with this band deletes
@@ -61,6 +62,7 @@ def check(
     m = mask.bool()
     fork = m & (p_t < FORK_P)
     return {
+        "mean_abs_delta": float(x[m].abs().mean()) if m.any() else float("nan"),
         "oob_frac": out_of_band_frac(x, mask, band),
         "fork_oob_share": fork_oob_share(x, p_t, mask, band),
         "fork_frac": _share(fork, m),

@@ -514,6 +514,9 @@ def test_mechanism_check_by_hand():
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
     out = check(x, p_t, adv, mask)
     assert out["oob_frac"] == pytest.approx(2 / 4)  # 0.4 and 2.5
+    assert out["mean_abs_delta"] == pytest.approx(
+        sum(abs(math.log(r)) for r in [0.4, 1, 2.5, 0.7]) / 4
+    )
     assert out["fork_oob_share"] == pytest.approx(1 / 2)  # 0.4 is a fork, 2.5 is not
     assert out["fork_frac"] == pytest.approx(2 / 4)
     assert out["forks_deleted"] == pytest.approx(1 / 2)
