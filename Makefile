@@ -54,7 +54,7 @@ bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~90 mi
 	$(PY) benchmarks/bench_run.py --before 328f94f --steps 300
 	$(PY) benchmarks/bench_flops.py --pairs 5
 
-figures: $(STAMP)  ## every figure from the committed CSVs under results/ (< 2 min)
+figures: $(STAMP)  ## every figure and the claims table from the committed CSVs under results/ (< 2 min)
 	$(PY) -m analysis.noise_anatomy results/measure
 	$(PY) -m analysis.snr_table results/measure
 	$(PY) -m analysis.layer_amplification results/measure
@@ -63,6 +63,8 @@ figures: $(STAMP)  ## every figure from the committed CSVs under results/ (< 2 m
 	$(PY) -m analysis.opsd_repetition
 	$(PY) -m analysis.nsr_vs_decay
 	$(PY) -m analysis.phase_diagram
+	$(PY) -m analysis.alpha_calibration
+	$(PY) -m analysis.claims  # results/claims.md: every pre-registered endpoint and its verdict
 
 clean-venv:
 	rm -rf $(VENV)

@@ -46,10 +46,40 @@ def results(tmp_path_factory):
         fake_summary(root, exp, [(o, a, 0.5, 0) for o, a in arms])
     grid = [(o, o, s, k) for o in ("ppo_clip", "tis") for s in (0.1, 1.5) for k in (0, 2)]
     fake_summary(root, "phase_diagram", grid)
+    fake_summary(root, "alpha_calibration", [("ppo_clip", "ppo_clip", 0.0, k) for k in (0, 2)])
+    alpha = pd.read_csv(root / "alpha_calibration" / "summary.csv")
+    alpha["minibatches"] = alpha.seed + 1  # seeds stand in for m = 1, 2, 3 here
+    alpha["lr"] = 1e-4
+    alpha.to_csv(root / "alpha_calibration" / "summary.csv", index=False)
     return root
 
 
-@pytest.mark.parametrize("exp", [*ARMS, "phase_diagram"])
+def test_the_caption_quotes_each_arms_mechanism_check(tmp_path):
+    from analysis.runs import mechanism_caption
+
+    df = pd.DataFrame({"arm": ["A", "A"], "complete": [True, True], "mask_frac": [0.1, 0.3]})
+    (tmp_path / "x").mkdir()
+    pd.DataFrame(
+        [
+            {
+                "arm": "A",
+                "trained": True,
+                "oob_frac": 0.062,
+                "fork_oob_share": 0.92,
+                "forks_deleted": 0.28,
+                "neg_low_clip": 0.15,
+                "pos_high_clip": 0.056,
+                "sampler_reward": 0.2,
+            }
+        ]
+    ).to_csv(tmp_path / "x" / "mechanism.csv", index=False)
+    text = mechanism_caption(tmp_path, "x", df, ["A", "B"])
+    assert text == ("A: step 0: 6.2% out of band, 92% of it on forks, 28% of forks outside; "
+                    "A<0 below 1−ε 15.0% vs A>0 above 1+ε 5.6%; μ reward 0.200; "
+                    "in run: 20.0% deleted")  # fmt: skip
+
+
+@pytest.mark.parametrize("exp", [*ARMS, "phase_diagram", "alpha_calibration"])
 def test_figure_script_runs_on_fixture(exp, results):
     importlib.import_module(f"analysis.{exp}").main(["--results", str(results)])
     pngs = list((results / exp).glob("fig_*.png"))
