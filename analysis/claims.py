@@ -117,7 +117,8 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
     if t is None or c is None:
         missing = treatment if t is None else control
         return {"verdict": f"not run (no complete runs of arm {missing!r})", "pairs": 0}
-    seeds = sorted(set(t.index) & set(c.index))
+    # pairs where both arms have a value (e.g. an exit-mass ratio needs repetitions to exist)
+    seeds = sorted(s for s in set(t.index) & set(c.index) if np.isfinite([t[s], c[s]]).all())
     x, y = t.loc[seeds].to_numpy(), c.loc[seeds].to_numpy()
     out: dict[str, Any] = {"pairs": len(seeds), "treatment_mean": float(x.mean()),
                            "control_mean": float(y.mean())}  # fmt: skip

@@ -113,3 +113,13 @@ def test_where_selects_one_cell_of_a_grid():
     assert sorted(endpoint_values(df, ep).index) == [("C", 0), ("C", 1), ("T", 0), ("T", 1)]
     with pytest.raises(ValueError, match="'noise' is not a summary.csv column"):
         endpoint_values(df, {**ep, "where": {"noise": "logit"}})
+
+
+def test_a_seed_without_a_value_in_either_arm_is_left_out_of_the_pairs():
+    ep = PREREG["endpoints"][0]
+    vals = {("T", s): [0, 0, 1 + s, 1 + s] for s in range(3)} | {
+        ("C", s): [0, 0, s, s] for s in range(3)
+    }
+    vals[("C", 2)] = [0, 0, float("nan"), float("nan")]  # no exit-mass value in this run
+    res = run_endpoint(endpoint_values(_summary(vals), ep), ep, "T", "C")
+    assert res["pairs"] == 2 and res["diff"] == pytest.approx(1.0)
