@@ -19,7 +19,9 @@ PREREG = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("exp", ["collapse_reject_vs_clamp", "fp8_entropy_surge", "nsr_vs_decay"])
+@pytest.mark.parametrize(
+    "exp", ["collapse_reject_vs_clamp", "fp8_entropy_surge", "nsr_vs_decay", "opsd_repetition"]
+)
 def test_the_presets_preregistrations_validate_and_their_sweeps_cover_the_planned_seeds(exp):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={exp}"], return_hydra_config=True)
