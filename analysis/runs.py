@@ -96,7 +96,8 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
 
 
 MECHANISM = ["mean_abs_delta", "oob_frac", "fork_oob_share", "fork_frac", "forks_deleted",
-             "neg_low_clip", "pos_high_clip", "sampler_reward", "n_tokens"]  # fmt: skip
+             "neg_low_clip", "pos_high_clip", "sampler_reward", "n_tokens",
+             "teacher_acc", "student_acc", "teacher_ref_logp", "student_ref_logp"]  # fmt: skip
 
 
 def load_mechanism(root: Path, exp: str) -> pd.DataFrame:
@@ -142,6 +143,12 @@ def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> 
                 f"{mean.neg_low_clip:.1%} vs A>0 above 1+ε {mean.pos_high_clip:.1%}; "
                 f"μ reward {mean.sampler_reward:.3f}"
             )
+            if "teacher_acc" in mean and pd.notna(mean.teacher_acc):  # OPSD runs
+                parts.append(
+                    f"teacher acc {mean.teacher_acc:.3f} vs student {mean.student_acc:.3f}, "
+                    f"reference log-prob/token {mean.teacher_ref_logp:.3f} vs "
+                    f"{mean.student_ref_logp:.3f}"
+                )
     runs = df[(df.arm == arm) & df.complete]
     acting = {
         name: runs[col].mean()

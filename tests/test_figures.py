@@ -77,6 +77,13 @@ def test_the_caption_quotes_each_arms_mechanism_check(tmp_path):
     assert text == ("A: step 0: 6.2% out of band, 92% of it on forks, 28% of forks outside; "
                     "A<0 below 1−ε 15.0% vs A>0 above 1+ε 5.6%; μ reward 0.200; "
                     "in run: 20.0% deleted")  # fmt: skip
+    mech = pd.read_csv(tmp_path / "x" / "mechanism.csv").assign(
+        teacher_acc=0.9, student_acc=0.3, teacher_ref_logp=-0.01, student_ref_logp=-0.1
+    )
+    mech.to_csv(tmp_path / "x" / "mechanism.csv", index=False)
+    assert "teacher acc 0.900 vs student 0.300, reference log-prob/token -0.010 vs -0.100" in (
+        mechanism_caption(tmp_path, "x", df, ["A"])
+    )
 
 
 @pytest.mark.parametrize("exp", [*ARMS, "phase_diagram", "alpha_calibration"])
