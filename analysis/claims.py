@@ -149,7 +149,9 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
             out["verdict"] = "not resolved: neither equivalent nor different"
         return out
     out.update(stat=f"paired t = {pt['t']:.2f}, df {pt['df']}", p=pt["p"])
-    if pt["p"] >= ALPHA:
+    if not (x.any() or y.any()):  # e.g. no terminal loop in any run of either arm
+        out["verdict"] = "not reproduced: 0 in every run of both arms"
+    elif pt["p"] >= ALPHA:
         out["verdict"] = "not resolved"
     else:
         out["verdict"] = "reproduced" if sign * pt["diff"] > 0 else "opposite to the prediction"

@@ -91,6 +91,11 @@ def test_verdicts_follow_the_registered_test_and_direction():
     assert run_endpoint(vals, {**ep, "predicted": "less"}, "T", "C")["verdict"].startswith(
         "opposite"
     )
+    zeros = endpoint_values(_summary({(a, s): [0] * 4 for a in "TC" for s in range(3)}), ep)
+    assert (
+        run_endpoint(zeros, ep, "T", "C")["verdict"]
+        == "not reproduced: 0 in every run of both arms"
+    )
     same = endpoint_values(_summary({(a, s): [0, 0, s, s] for a in "TC" for s in range(3)}), ep)
     assert run_endpoint(same, ep, "T", "C")["verdict"] == "not resolved"
     tost_ep = {**ep, "test": "tost", "margin": 0.5}
