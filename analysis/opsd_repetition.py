@@ -6,7 +6,7 @@ python -m analysis.opsd_repetition [--results DIR]   # reads results/<exp>/summa
 from __future__ import annotations
 
 from analysis.common import set_theme
-from analysis.runs import load_summary, panel_row, results_root, smooth
+from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
 
 EXP = "opsd_repetition"
 PANELS = [  # column, title, y label
@@ -18,7 +18,7 @@ PANELS = [  # column, title, y label
         "Exit-mass ratio R = Σ(1−q)/Σ(1−p) (< 1: student loops more)",
         "R at first-copy positions",
     ),
-    ("eval_acc", "Held-out accuracy", "accuracy (128 problems)"),
+    ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
 ]
 
 
@@ -30,9 +30,11 @@ def main(argv: list[str] | None = None) -> None:
         df = df.assign(repetition_exit_mass_ratio=float("nan"))
     df = smooth(df, [c for c, *_ in PANELS[:4]])
     set_theme()
-    title = "OPSD, task model (teacher: initial model + reference solution)"
+    title = "OPSD, 3-digit arithmetic task model (teacher: initial model + reference solution)"
     path = root / EXP / "fig_opsd_repetition"
-    panel_row(df, PANELS, sorted(set(df.arm)), "distillation update", title, path)
+    arms = sorted(set(df.arm))
+    caption = mechanism_caption(root, EXP, df, arms)
+    panel_row(df, PANELS, arms, "distillation update", title, path, caption=caption)
 
 
 if __name__ == "__main__":
