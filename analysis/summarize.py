@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from analysis.runs import load_mechanism, load_prereg, load_raw
+from harness.io import write_text_atomic
 
 EXPERIMENTS = [
     "collapse_reject_vs_clamp", "fp8_entropy_surge", "opsd_repetition", "nsr_vs_decay",
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
             mech.to_csv(root / exp / "mechanism.csv", index=False, float_format="%.5g")
         prereg = load_prereg(root, exp)
         if prereg:
-            (root / exp / "prereg.yaml").write_text(yaml.safe_dump(prereg, sort_keys=False))
+            write_text_atomic(root / exp / "prereg.yaml", yaml.safe_dump(prereg, sort_keys=False))
         df = load_raw(root, exp)
         if df.empty:
             print(f"[summarize] {exp}: no runs")
