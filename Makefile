@@ -59,7 +59,10 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.snr_table results/measure
 	$(PY) -m analysis.layer_amplification results/measure
 	$(PY) -m analysis.collapse_reject_vs_clamp
+	$(PY) -m analysis.collapse_drivers
 	$(PY) -m analysis.fp8_entropy_surge
+	$(PY) -m analysis.fp8_full_pipeline
+	$(PY) -m analysis.cis_vs_tis
 	$(PY) -m analysis.opsd_repetition
 	$(PY) -m analysis.nsr_vs_decay
 	$(PY) -m analysis.phase_diagram

@@ -43,8 +43,9 @@ from analysis.runs import load_summary, mechanism_summary, results_root
 from analysis.stats import fisher_exact, paired_t, tost
 from harness.io import write_text_atomic
 
-EXPERIMENTS = ["collapse_reject_vs_clamp", "fp8_entropy_surge", "nsr_vs_decay",
-               "opsd_repetition", "phase_diagram"]  # fmt: skip
+EXPERIMENTS = ["collapse_reject_vs_clamp", "collapse_drivers", "fp8_entropy_surge",
+               "fp8_full_pipeline", "nsr_vs_decay", "opsd_repetition", "cis_vs_tis",
+               "phase_diagram"]  # fmt: skip
 REDUCES = ("final_any", "window_mean", "last_evals")
 TESTS = ("paired_t", "tost", "fisher")
 PREDICTED = ("greater", "less")
@@ -155,6 +156,40 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
         out["verdict"] = "not resolved"
     else:
         out["verdict"] = "reproduced" if sign * pt["diff"] > 0 else "opposite to the prediction"
+    return out
+
+
+def stars(p: float) -> str:
+    """The usual significance marks: *** p < 0.001, ** p < 0.01, * p < 0.05, n.s. otherwise."""
+    return next((m for cut, m in ((0.001, "***"), (0.01, "**"), (ALPHA, "*")) if p < cut), "n.s.")
+
+
+def mark(res: dict[str, Any], ep: dict) -> str:
+    """One endpoint's result as a figure annotation: difference [CI], p and its marks."""
+    if "p" not in res or res["p"] is None or math.isnan(res["p"]):
+        return f"{ep['name']}: {res['verdict']}"
+    if ep["test"] == "fisher":
+        return f"{ep['name']}: {res['stat']}, Fisher p = {res['p']:.2g} ({stars(res['p'])})"
+    ci = "90% CI" if ep["test"] == "tost" else "95% CI"
+    test = f"TOST ±{ep['margin']:g} p" if ep["test"] == "tost" else "p"
+    return (f"{ep['name']}: Δ {res['diff']:+.3f}, {ci} [{res['ci_lo']:+.3f}, {res['ci_hi']:+.3f}]"
+            f", {test} = {res['p']:.2g} ({stars(res['p'])})")  # fmt: skip
+
+
+def endpoint_marks(root: Path, exp: str) -> dict[str, str]:
+    """The registered endpoints of `exp` that are not restricted to one cell, keyed by their
+    summary.csv column, as figure annotations (treatment − control); {} before prereg.yaml."""
+    path = Path(root) / exp / "prereg.yaml"
+    if not path.exists():
+        return {}
+    prereg = yaml.safe_load(path.read_text())
+    check_prereg(prereg)
+    df = load_summary(root, exp)
+    out = {}
+    for ep in prereg["endpoints"]:
+        if not ep.get("where"):
+            res = run_endpoint(endpoint_values(df, ep), ep, prereg["treatment"], prereg["control"])
+            out[ep["metric"]] = mark(res, ep)
     return out
 
 

@@ -5,13 +5,16 @@ python -m analysis.collapse_reject_vs_clamp [--results DIR]   # reads results/<e
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from analysis.claims import endpoint_marks
 from analysis.common import set_theme
 from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
 
 EXP = "collapse_reject_vs_clamp"
 ARMS = ["reject (band [0.5, 2])", "reject (mask [0.5, 2])", "trust-unbounded (raw r)"]
 ARMS += ["clamp (CISPO [0.5, 2])"]
-ARMS += ["shrink (snr_shrink)"]
+ARMS += ["shrink (snr_shrink)", "shrink (adaptive SNR, K = 10)"]
 PANELS = [  # column, title, y label
     ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
@@ -21,15 +24,19 @@ PANELS = [  # column, title, y label
 ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    root = results_root(argv)
-    df = load_summary(root, EXP)
+def draw(root: Path, exp: str, title: str) -> None:
+    """The collapse figure of `exp` (this experiment, or collapse_drivers: the same arms)."""
+    df = load_summary(root, exp)
     runs = smooth(df[df.complete], [c for c, *_ in PANELS[1:]])
     set_theme()
+    caption = mechanism_caption(root, exp, runs, ARMS)
+    panel_row(runs, PANELS, ARMS, "optimizer step", title, root / exp / f"fig_{exp}",
+              caption=caption, marks=endpoint_marks(root, exp))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
     title = "Student-t (ν=3, σ=0.5) logit noise in μ, countdown task model"
-    caption = mechanism_caption(root, EXP, runs, ARMS)
-    path = root / EXP / "fig_collapse_reject_vs_clamp"
-    panel_row(runs, PANELS, ARMS, "optimizer step", title, path, caption=caption)
+    draw(results_root(argv), EXP, title)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ python -m analysis.fp8_entropy_surge [--results DIR]   # reads results/<exp>/sum
 
 from __future__ import annotations
 
+from analysis.claims import endpoint_marks
 from analysis.common import set_theme
 from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
 
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     caption = mechanism_caption(root, EXP, df, ARMS)
     path = root / EXP / "fig_fp8_entropy_surge"
     panel_row(df, PANELS, ARMS, "optimizer step", title, path, legend_on=(0, len(PANELS) - 1),
-              caption=caption)  # fmt: skip
+              caption=caption, marks=endpoint_marks(root, EXP))  # fmt: skip
 
 
 if __name__ == "__main__":

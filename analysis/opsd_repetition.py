@@ -5,6 +5,7 @@ python -m analysis.opsd_repetition [--results DIR]   # reads results/<exp>/summa
 
 from __future__ import annotations
 
+from analysis.claims import endpoint_marks
 from analysis.common import set_theme
 from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
 
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     path = root / EXP / "fig_opsd_repetition"
     arms = sorted(set(df.arm))
     caption = mechanism_caption(root, EXP, df, arms)
-    panel_row(df, PANELS, arms, "distillation update", title, path, caption=caption)
+    panel_row(df, PANELS, arms, "distillation update", title, path, caption=caption,
+              marks=endpoint_marks(root, EXP))  # fmt: skip
 
 
 if __name__ == "__main__":

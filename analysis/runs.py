@@ -10,6 +10,7 @@ figure scripts read only that CSV, through `load_summary`. Shared plotting helpe
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -24,8 +25,8 @@ import yaml
 METRICS = [
     "reward/mean", "eval/acc", "entropy/mean", "response/len", "clip/frac_low", "clip/frac_high",
     "mask/frac", "rescue/frac", "dial/out_of_band_frac", "dial/mean_abs_delta", "is/weight_mean",
-    "dial/kl_k3", "repetition/terminal_loop_rate", "repetition/rate",
-    "repetition/exit_mass_ratio", "collapse/events",
+    "is/ess", "dial/kl_k3", "repetition/terminal_loop_rate", "repetition/rate",
+    "repetition/exit_mass_ratio", "collapse/events", "calib/low", "calib/high",
     "time/step_s",
 ]  # fmt: skip
 
@@ -37,18 +38,44 @@ def results_root(argv: list[str] | None = None) -> Path:
     return Path(p.parse_args(argv).results)
 
 
+def objective_kw(cfg: dict, key: str):
+    """An objective keyword as the run used it: the config's value, else the builder's default
+    (defaults live in the builder only, harness/objectives)."""
+    from harness.objectives import OBJECTIVES
+
+    kw = cfg["objective"]
+    if key in kw:
+        return kw[key]
+    return inspect.signature(OBJECTIVES[kw["name"]]).parameters[key].default
+
+
 def arm_label(exp: str, cfg: dict) -> str:
     """The legend name of a run's arm, from its resolved config."""
     obj, kw = cfg["objective"]["name"], cfg["objective"]
-    if exp == "collapse_reject_vs_clamp":
+    if exp in ("collapse_reject_vs_clamp", "collapse_drivers"):
         if obj == "cispo":
             return "trust-unbounded (raw r)" if kw["hi"] >= 1e6 else "clamp (CISPO [0.5, 2])"
         names = {
             "band": "reject (band [0.5, 2])",  # the matched arm (issue 16)
             "mis": "reject (mask [0.5, 2])",  # the committed runs' reject arm: PPO base + mask
-            "snr_shrink": "shrink (snr_shrink)",
         }
+        if obj == "snr_shrink":
+            adaptive = objective_kw(cfg, "adaptive")
+            k = objective_kw(cfg, "every")
+            return f"shrink (adaptive SNR, K = {k})" if adaptive else "shrink (snr_shrink)"
         return names.get(obj, obj)
+    if exp == "fp8_full_pipeline":
+        if obj == "calibrated_clip":
+            every, ema = objective_kw(cfg, "every"), objective_kw(cfg, "ema")
+            return f"calibrated clip (every {every}, EMA {ema:g})"
+        return "std clip" if obj == "ppo_clip" else obj
+    if exp == "cis_vs_tis":
+        if obj == "cis":
+            return f"CIS (λ = {objective_kw(cfg, 'lam'):g})"
+        return f"TIS (C = {objective_kw(cfg, 'cap'):g})" if obj == "tis" else obj
+    if exp == "phase_diagram":  # the map's two arms (issue 16)
+        recomputed = cfg["engine"]["logp_old_source"] == "trainer"
+        return f"π_old {'recomputed' if recomputed else ':= μ'} (std clip)"
     if exp == "fp8_entropy_surge":
         if cfg["noise"]["name"] == "none":
             return "high precision"
@@ -256,9 +283,11 @@ def panel_row(
     path: Path,
     legend_on: tuple[int, ...] = (0,),
     caption: str = "",
+    marks: dict[str, str] | None = None,
 ) -> None:
     """One row of `curve` panels, each (column, title, y label[, arms shown]); mean and 95%
-    t-interval over seeds; written through `savefig` as PNG + PDF."""
+    t-interval over seeds; written through `savefig` as PNG + PDF. `marks`: column → the
+    pre-registered endpoint's result (analysis.claims.endpoint_marks), shown under its title."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -269,6 +298,17 @@ def panel_row(
         d = df[df.arm.isin(shown[0])] if shown else df
         curve(ax, d, col, arms, legend=i in legend_on)
         ax.set(title=panel_title, xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
+        if marks and col in marks:  # the registered test: treatment − control, paired by seed
+            ax.set_title(panel_title, pad=24)
+            ax.text(
+                0.5,
+                1.01,
+                marks[col].replace("], ", "],\n", 1),
+                transform=ax.transAxes,
+                fontsize=6.5,
+                ha="center",
+                va="bottom",
+            )
         if i in legend_on:
             sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
         if d[col].isna().all():  # a metric these runs did not log

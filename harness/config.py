@@ -34,6 +34,11 @@ class EngineCfg:
     mask_replay: bool = True  # trainer replays the sampler's top-p/top-k support
     routing_replay: bool = False  # R3: trainer replays the sampler's MoE routes
     logp_old_source: str = "trainer"  # trainer (recompute at behaviour weights) | sampler (μ)
+    # full-pipeline FP8 (seed 002): every trainer-side forward (the gradient pass and the π_old
+    # recompute) in the sampler's FP8 recipe (needs noise=fp8), straight-through gradient into
+    # the high-precision weights; calibrated clipping's shadow pass and evaluation stay high
+    # precision (harness.noise.Fp8Trainer)
+    trainer_fp8: bool = False
 
 
 @dataclass

@@ -139,13 +139,15 @@ def update(
     calibrate: bool = False,
     on_step: Callable[[], None] | None = None,
     restore: Callable[[], None] | None = None,
+    shadow: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[TokenBatch, list[dict[str, float]], int]:
     """One optimizer step per (rows, lag) minibatch of `schedule`, in order. `batch.logp_old`
     None: the first pass's detached π_θ is the trainer's score at the behaviour weights (one
     minibatch only), and π_old is it or, with `logp_old_source="sampler"`, μ (as `collect` does
     for a separate recompute). `calibrate`: the first
     minibatch feeds the objective's calibration first (calibrated clipping: the trainer
-    recompute `logp_recompute` is its high-precision π_old, `logp_old` the low-precision one).
+    recompute `logp_recompute` is its high-precision π_old, `logp_old` the low-precision one;
+    with a low-precision trainer, `shadow(rows)` gives the high-precision (π_θ, π_old) instead).
     `on_step()` runs after each optimizer step (the loop's weight history); `restore()` after a
     step that made a weight non-finite (see `optimizer_step`). Returns (the batch with π_old,
     per-minibatch metrics, number of minibatches skipped as non-finite)."""
@@ -164,15 +166,9 @@ def update(
             batch = batch.with_old({k: v[order] for k, v in out.items()}, logp_old_source)
         logp, mb = out["logp"], batch.index(rows)
         if calibrate and i == 0:
+            hp, old_hp = shadow(rows) if shadow else (logp.detach(), mb.logp_recompute)
             metrics.append(
-                objective.calibrate(
-                    logp.detach(),
-                    mb.logp_recompute,
-                    logp.detach(),
-                    mb.logp_old,
-                    mb.advantages,
-                    mb.mask,
-                )  # fmt: skip
+                objective.calibrate(hp, old_hp, logp.detach(), mb.logp_old, mb.advantages, mb.mask)
             )
         m = step_and_log(policy.model, objective(logp, mb), lag, opt, grad_clip, restore, on_step)
         skipped += m is None

@@ -20,6 +20,7 @@ checkpoints/ (atomic); re-running in the same directory resumes from the latest 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -46,7 +47,7 @@ from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import AGGREGATION_KEYS, check_nodes, read_json, run_task, update_meta
 from harness.logprobs import check_sampling
 from harness.models import BUILTIN_SPECS, DTYPES, load_model, resolve_dtype, upcycle_to_moe
-from harness.noise import build_noise
+from harness.noise import Fp8Trainer, build_noise
 from harness.objectives import build_objective
 from harness.registry import build
 from harness.repetition import copy_token_probs, exit_mass, repetition_report
@@ -351,6 +352,11 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(
             "distill.enabled=true needs objective=opsd_fkl, and opsd_fkl needs distill.enabled"
         )
+    if cfg.engine.trainer_fp8 and cfg.noise.name != "fp8":
+        raise ValueError(
+            f"engine.trainer_fp8=true runs the trainer in the sampler's FP8 recipe, but "
+            f"noise={cfg.noise.name!r}; valid: noise=fp8 (or engine.trainer_fp8=false)"
+        )
     if obj == "calibrated_clip" and cfg.engine.logp_old_source == "trainer":
         raise ValueError(
             "objective=calibrated_clip calibrates the low-precision π_old against the trainer's "
@@ -385,7 +391,11 @@ def build_setup(cfg: DictConfig) -> Setup:
     teacher = copy.deepcopy(model).eval().requires_grad_(False) if cfg.distill.enabled else None
 
     def engine(m: torch.nn.Module) -> Engine:  # a trainer-side policy: R3 replays μ's routes
-        return Engine(m, tok, noise=[build_noise("replay")] if cfg.engine.routing_replay else [])
+        noise = [build_noise("replay")] if cfg.engine.routing_replay else []
+        if cfg.engine.trainer_fp8:  # full-pipeline FP8: the sampler's recipe, straight-through
+            name, kw = split_node(cfg.noise)
+            noise.append(Fp8Trainer(build_noise(name, **kw)))
+        return Engine(m, tok, noise=noise)
 
     policy = engine(model)
     if old_model is not None:  # π_old: its own copy of the weights, loaded with the behaviour
@@ -539,6 +549,30 @@ def snr_refresh(s: Setup, cfg: DictConfig, task: Task, step: int) -> dict[str, f
     return out | {"snr/refresh_s": time.time() - t0}
 
 
+def high_precision(engine: Engine | None):
+    """A context in which a trainer-side engine runs in high precision (engine.trainer_fp8: the
+    shadow pass); a no-op for every other engine."""
+    fp8 = engine._noise_of(Fp8Trainer) if engine is not None else None
+    return fp8.high_precision() if fp8 is not None else contextlib.nullcontext()
+
+
+def shadow_pass(s: Setup, ro: Rollout, mask_replay: bool):
+    """engine.trainer_fp8: calibrated clipping's high-precision (π_θ, π_old) of rows `rows`,
+    before the first update of a batch (θ = the weights that batch's first minibatch trains; at
+    staleness 0 these are the behaviour weights, so π_old^hp = π_θ^hp)."""
+
+    def shadow(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with high_precision(s.policy):
+            hp = s.policy.logp(ro, rows, stats=False, mask_replay=mask_replay)["logp"]
+        if s.old_policy is None or s.old_policy is s.policy:
+            return hp, hp
+        with high_precision(s.old_policy):
+            old = s.old_policy.logp(ro, rows, stats=False, mask_replay=mask_replay)["logp"]
+        return hp, old
+
+    return shadow
+
+
 def beta_scale(cfg: DictConfig, step: int) -> float:
     """drivers.beta_growth: 1 at step 1, linear to beta_growth at the last step."""
     frac = (step - 1) / max(cfg.steps - 1, 1)
@@ -627,8 +661,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             batch, updates, skipped = update(
                 s.policy, s.objective, batch, ro, schedule, s.opt, cfg.optim.grad_clip,
                 mask_replay=cfg.engine.mask_replay, logp_old_source=cfg.engine.logp_old_source,
-                calibrate=calibrate, on_step=push,
-                restore=restore,
+                calibrate=calibrate, on_step=push, restore=restore,
+                shadow=shadow_pass(s, ro, cfg.engine.mask_replay) if cfg.engine.trainer_fp8
+                else None,
             )  # fmt: skip
         nonfinite_run = nonfinite_run + 1 if skipped and not updates else 0
         s.sampler.load_weights_from_state(s.history.behaviour())  # staleness: k steps old
@@ -639,7 +674,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if s.harder_task is not None:
             m["drivers/harder"] = float(harder)
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps or step == 1):
-            m["eval/acc"] = evaluate(s.policy, s.task, eval_problems, cfg)
+            with high_precision(s.policy):  # θ itself, not its FP8 forward
+                m["eval/acc"] = evaluate(s.policy, s.task, eval_problems, cfg)
         m["time/step_s"] = round(time.time() - t0, 3)
         with metrics_path.open("a") as f:
             f.write(json.dumps(m) + "\n")

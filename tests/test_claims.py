@@ -4,10 +4,18 @@ import copy
 
 import pandas as pd
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from analysis.claims import check_prereg, endpoint_values, markdown, run_endpoint
+from analysis.claims import (
+    check_prereg,
+    endpoint_marks,
+    endpoint_values,
+    markdown,
+    run_endpoint,
+    stars,
+)
 from analysis.stats import paired_t
 from harness import train
 
@@ -20,15 +28,18 @@ PREREG = {
 
 
 @pytest.mark.parametrize(
-    "exp", ["collapse_reject_vs_clamp", "fp8_entropy_surge", "nsr_vs_decay", "opsd_repetition"]
-)
-def test_the_presets_preregistrations_validate_and_their_sweeps_cover_the_planned_seeds(exp):
+    "exp, least",
+    [("collapse_reject_vs_clamp", 5), ("fp8_entropy_surge", 5), ("nsr_vs_decay", 5),
+     ("opsd_repetition", 5), ("cis_vs_tis", 5), ("phase_diagram", 3), ("collapse_drivers", 5),
+     ("fp8_full_pipeline", 5)],
+)  # fmt: skip
+def test_the_presets_preregistrations_validate_and_their_sweeps_cover_the_planned_seeds(exp, least):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={exp}"], return_hydra_config=True)
     prereg = OmegaConf.to_container(cfg.prereg, resolve=True)
     check_prereg(prereg)
     seeds = str(cfg.hydra.sweeper.params.seed).split(",")
-    assert len(seeds) == prereg["seeds"] >= 5
+    assert len(seeds) == prereg["seeds"] >= least
 
 
 @pytest.mark.parametrize(
@@ -130,3 +141,26 @@ def test_a_seed_without_a_value_in_either_arm_is_left_out_of_the_pairs():
     vals[("C", 2)] = [0, 0, float("nan"), float("nan")]  # no exit-mass value in this run
     res = run_endpoint(endpoint_values(_summary(vals), ep), ep, "T", "C")
     assert res["pairs"] == 2 and res["diff"] == pytest.approx(1.0)
+
+
+def test_figure_marks_carry_the_registered_test_worked_by_hand(tmp_path):
+    # paired differences 1, 2, 3: mean 2, SD 1, t = 2√3 = 3.464 on 2 df; the t(2) CDF is
+    # 1/2 + t / (2√(2 + t²)), so p = 2(1/2 − 3.464/(2√14)) = 0.0742; CI 2 ± 4.303/√3
+    vals = {("T", s): [0, 0, 1 + s, 1 + s] for s in range(3)} | {
+        ("C", s): [0, 0, 0, 0] for s in range(3)
+    }
+    (tmp_path / "x").mkdir()
+    _summary(vals).to_csv(tmp_path / "x" / "summary.csv", index=False)
+    cell = {
+        **PREREG["endpoints"][0],
+        "name": "one cell",
+        "metric": "eval_acc",
+        "where": {"seed": 0},
+    }
+    prereg = {**PREREG, "endpoints": [PREREG["endpoints"][0], cell]}
+    (tmp_path / "x" / "prereg.yaml").write_text(yaml.safe_dump(prereg, allow_unicode=True))
+    with pytest.warns(UserWarning, match="weights checksum"):
+        marks = endpoint_marks(tmp_path, "x")
+    assert marks == {"m": "e: Δ +2.000, 95% CI [-0.484, +4.484], p = 0.074 (n.s.)"}
+    assert endpoint_marks(tmp_path, "absent") == {}
+    assert [stars(p) for p in (0.0009, 0.009, 0.049, 0.05)] == ["***", "**", "*", "n.s."]

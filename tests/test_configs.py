@@ -75,6 +75,9 @@ def test_every_preset_exists():
         "nsr_vs_decay",
         "phase_diagram",
         "alpha_calibration",
+        "cis_vs_tis",
+        "collapse_drivers",
+        "fp8_full_pipeline",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")

@@ -19,6 +19,12 @@ ARMS = {  # experiment -> arms as (objective, arm label)
     "fp8_entropy_surge": [("ppo_clip", "high precision"), ("ppo_clip", "FP8 (std clip)")],
     "nsr_vs_decay": [("nsr", "NSR"), ("ppo_clip", "hard clip")],
     "opsd_repetition": [("opsd_fkl", "clipped FKL (τ = 0.05)"), ("opsd_fkl", "exact FKL")],
+    "cis_vs_tis": [("cis", "CIS (λ = 2.3)"), ("tis", "TIS (C = 2)")],
+    "collapse_drivers": [("band", "reject (band [0.5, 2])"), ("cispo", "clamp (CISPO [0.5, 2])")],
+    "fp8_full_pipeline": [
+        ("calibrated_clip", "calibrated clip (every 5, EMA 0.5)"),
+        ("ppo_clip", "std clip"),
+    ],  # fmt: skip
 }
 COLS = [c.replace("/", "_") for c in METRICS]
 
@@ -33,8 +39,8 @@ def fake_summary(root, exp, runs, steps=12):
                 m["eval_acc"] = m["eval_acc"] if s % 4 == 0 or s == 1 else np.nan
                 m["collapse_events"] = float(i == 0 and s > 8)
                 rows.append({"step": s, **m, "run": f"{i}-{seed}", "arm": arm, "seed": seed,
-                             "objective": obj, "sigma": sigma, "staleness": k, "steps": steps,
-                             "complete": True})  # fmt: skip
+                             "objective": obj, "sigma": sigma, "staleness": k, "lr": 1e-4,
+                             "steps": steps, "complete": True})  # fmt: skip
     (root / exp).mkdir(parents=True)
     pd.DataFrame(rows).to_csv(root / exp / "summary.csv", index=False)
 
@@ -44,12 +50,17 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("results")
     for exp, arms in ARMS.items():
         fake_summary(root, exp, [(o, a, 0.5, 0) for o, a in arms])
-    grid = [(o, o, s, k) for o in ("ppo_clip", "tis") for s in (0.1, 1.5) for k in (0, 2)]
+    accuracy = {"name": "accuracy", "metric": "eval_acc", "reduce": "last_evals", "n": 2,
+                "test": "paired_t", "predicted": "less"}  # fmt: skip
+    prereg = {"claim": "c", "source": "s", "seeds": 3, "treatment": "reject (mask [0.5, 2])",
+              "control": "clamp (CISPO)", "endpoints": [accuracy]}  # fmt: skip
+    (root / "collapse_reject_vs_clamp" / "prereg.yaml").write_text(yaml.safe_dump(prereg))
+    arms = ("π_old := μ (std clip)", "π_old recomputed (std clip)")
+    grid = [("ppo_clip", a, s, k) for a in arms for s in (0.0, 1.0) for k in (0, 2)]
     fake_summary(root, "phase_diagram", grid)
     fake_summary(root, "alpha_calibration", [("ppo_clip", "ppo_clip", 0.0, k) for k in (0, 2)])
     alpha = pd.read_csv(root / "alpha_calibration" / "summary.csv")
     alpha["minibatches"] = alpha.seed + 1  # seeds stand in for m = 1, 2, 3 here
-    alpha["lr"] = 1e-4
     alpha.to_csv(root / "alpha_calibration" / "summary.csv", index=False)
     return root
 

@@ -554,3 +554,53 @@ def test_routing_replay_upcycled_smollm2(smollm2):
     with build_noise("replay", indices=r.take_record()).attached(moe):
         replayed = token_logp(moe, x)
     assert (mu - replayed).abs().mean() < (mu - clean).abs().mean() / 5
+
+
+@pytest.mark.parametrize(
+    "kw", [{"granularity": "row"}, {"granularity": "row", "activations": True}]
+)
+def test_fp8_trainer_forward_equals_the_fp8_sampler_and_its_gradient_goes_straight_through(kw):
+    """Full-pipeline FP8: the trainer's forward is the sampler's FP8 forward (same recipe, same
+    weights: bit-identical log-probs, per-token activation scales), its gradient w.r.t. the
+    high-precision weights is the gradient of a model holding the quantised weights (straight
+    through), and `high_precision()` / detach give the plain model back."""
+    import copy
+
+    from harness.noise import Fp8Trainer
+
+    model = load_model("tiny-llama")[0].float()
+    x = ids()
+    sampler = copy.deepcopy(model)
+    with build_noise("fp8", **kw).attached(sampler):
+        lp_mu = token_logp(sampler, x)
+        quantised = state(sampler)  # the sampler's FP8 weights, as a plain model's weights
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(quantised)
+    lp_hp = token_logp(model, x)
+    trainer = Fp8Trainer(build_noise("fp8", **kw))
+    with trainer.attached(model):
+        assert torch.equal(token_logp(model, x), lp_mu)
+        with trainer.high_precision():
+            assert torch.equal(token_logp(model, x), lp_hp)
+        assert torch.equal(token_logp(model, x), lp_mu)  # FP8 again after the shadow pass
+        model.zero_grad()
+        model(x).logits.square().mean().backward()
+    hooks = []
+    if kw.get("activations"):  # the reference quantises its linears' inputs, straight through
+        acts = build_noise("fp8", **kw)
+
+        def ste(module, args):
+            return (acts.qdq_act(args[0].detach(), 0) + (args[0] - args[0].detach()),)
+
+        hooks = [m.register_forward_pre_hook(ste) for name, m in ref.named_modules()
+                 if name.rsplit(".", 1)[-1] in acts.modules]  # fmt: skip
+    ref(x).logits.square().mean().backward()
+    for h in hooks:
+        h.remove()
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    grads = dict(model.named_parameters())
+    ref_grads = dict(ref.named_parameters())
+    for name in (q_proj, "model.layers.1.mlp.down_proj.weight", "lm_head.weight"):
+        torch.testing.assert_close(grads[name].grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7)
+    assert not torch.equal(grads[q_proj].detach(), quantised[q_proj])  # master stays high precision
+    assert torch.equal(token_logp(model, x), lp_hp)  # detached: the plain model

@@ -614,3 +614,37 @@ def test_the_opsd_mechanism_check_compares_teacher_and_student(tmp_path):
     real = mechanism.run(_cfg(tmp_path / "b", *opsd))
     assert real["teacher_ref_logp"] != pytest.approx(real["student_ref_logp"], abs=1e-6)
     assert math.isfinite(real["teacher_ref_logp"]) and 0 <= real["teacher_acc"] <= 1
+
+
+def test_full_pipeline_fp8_unifies_the_trainer_with_the_sampler(
+    tmp_path, alternating_reward, monkeypatch
+):
+    """engine.trainer_fp8: the trainer scores in the sampler's FP8 recipe, so at θ = θ_old the
+    measured mismatch log π_old − log μ collapses from the FP8 β of the half pipeline to float
+    rounding (KV-cache decode vs one full forward); calibrated clipping then calibrates against
+    the high-precision shadow pass, and the loop trains."""
+    from harness import mechanism
+
+    fp8 = ["noise=fp8", "noise.fmt=e5m2", "engine.logp_old_source=sampler"]
+    half = mechanism.run(_cfg(tmp_path / "a", "objective=ppo_clip", *fp8))
+    full = mechanism.run(
+        _cfg(tmp_path / "b", "objective=ppo_clip", *fp8, "engine.trainer_fp8=true")
+    )
+    assert half["mean_abs_delta"] > 1e-3 > 1e-5 > full["mean_abs_delta"]
+    calls = []
+    shadow_pass = train.shadow_pass
+
+    def counted(s, ro, mask_replay):
+        shadow = shadow_pass(s, ro, mask_replay)
+        return lambda rows: calls.append(len(rows)) or shadow(rows)
+
+    monkeypatch.setattr(train, "shadow_pass", counted)
+    out = train.run(_cfg(tmp_path / "c", "objective=calibrated_clip", *fp8,
+                         "engine.trainer_fp8=true", "steps=2", "mechanism_batches=0"))  # fmt: skip
+    assert out["step"] == 2 and calls == [8]  # step 1 calibrates (every 20 steps): all 8 rows
+    m = _metrics(tmp_path / "c")
+    assert all(math.isfinite(x["loss"]) for x in m) and m[0]["calib/updated"] == 1.0
+    with pytest.raises(
+        ValueError, match="engine.trainer_fp8=true .* noise='none'; valid: noise=fp8"
+    ):
+        train.run(_cfg(tmp_path / "d", "engine.trainer_fp8=true", "steps=1"))

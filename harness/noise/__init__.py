@@ -42,7 +42,7 @@ from typing import Any
 from harness.noise.base import NoiseModel
 from harness.noise.batch import BatchNoise
 from harness.noise.context import ForwardContext, current, forward_context, prefix_hash
-from harness.noise.fp8 import Fp8Noise, fp8_qdq
+from harness.noise.fp8 import Fp8Noise, Fp8Trainer, fp8_qdq
 from harness.noise.layer import LayerNoise, layer_amplification
 from harness.noise.logit import LogitNoise
 from harness.noise.routing import RoutingNoise, RoutingReplay
@@ -70,6 +70,7 @@ __all__ = [
     "current",
     "forward_context",
     "prefix_hash",
+    "Fp8Trainer",
     "fp8_qdq",
     "layer_amplification",
     "LayerNoise",

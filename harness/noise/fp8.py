@@ -17,8 +17,9 @@ Granularities (notes §1.3):
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -361,3 +362,61 @@ def _register_fp8_kv_attention(base: str) -> str:
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[base])
     return name
+
+
+# --- the trainer side of full-pipeline FP8 -------------------------------------------------------
+
+
+class Fp8Trainer(NoiseModel):
+    """Full-pipeline FP8 (seed 002, Jet-RL's unified precision flow): the trainer's forward runs
+    the sampler's FP8 recipe `recipe` (an Fp8Noise: format, granularities, which linears) with a
+    straight-through gradient. Each quantised linear computes F.linear(x̃, W̃) with
+    W̃ = sg(qdq(W)) + (W − sg(W)) (value qdq(W) exactly, gradient 1 into the high-precision master
+    W), and x̃ likewise when `recipe.activations`. Linears only: fused MoE experts, norms,
+    embeddings and the KV cache stay high precision on the trainer side (documented gap).
+    `high_precision()` lifts it for a shadow pass (calibrated clipping's r_hp, evaluation)."""
+
+    uses_context = False
+
+    def __init__(self, recipe: Fp8Noise):
+        super().__init__()
+        self.recipe = recipe
+        self._patched: list[nn.Module] = []
+
+    @property
+    def row_local(self) -> bool:
+        return self.recipe.row_local
+
+    def _attach(self, model: nn.Module) -> None:
+        linears, _ = self.recipe._targets(model)
+        for key, m in enumerate(linears):
+            m.forward = self._ste_forward(m, key)  # an instance attribute: shadows the class's
+            self._patched.append(m)
+
+    def _ste_forward(self, m: nn.Linear, key: int):
+        r = self.recipe
+
+        def forward(x: Tensor) -> Tensor:
+            w = m.weight
+            wq = r.qdq_weight(w.detach()) + (w - w.detach()) if r.weights else w  # exactly qdq(W)
+            if r.activations:
+                x = r.qdq_act(x.detach(), key) + (x - x.detach())
+            return F.linear(x, wq, m.bias)
+
+        return forward
+
+    def _detach(self) -> None:
+        for m in self._patched:
+            del m.forward
+        self._patched.clear()
+        self.recipe._amax_hist.clear()
+
+    @contextlib.contextmanager
+    def high_precision(self) -> Iterator[None]:
+        """The trainer in high precision for the duration (a shadow pass); FP8 again after."""
+        model = self.model
+        self.detach()
+        try:
+            yield
+        finally:
+            self.attach(model)

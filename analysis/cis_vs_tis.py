@@ -1,0 +1,35 @@
+"""Figure: CIS (confidence-aware IS cap) vs TIS (constant cap) under heavy-tailed β (seed 004).
+
+python -m analysis.cis_vs_tis [--results DIR]   # reads results/<exp>/summary.csv
+"""
+
+from __future__ import annotations
+
+from analysis.claims import endpoint_marks
+from analysis.common import set_theme
+from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
+
+EXP = "cis_vs_tis"
+ARMS = ["CIS (λ = 2.3)", "TIS (C = 2)"]
+PANELS = [  # column, title, y label
+    ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
+    ("reward_mean", "Training reward (5-step mean)", "mean reward"),
+    ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)"),
+    ("is_ess", "Mechanism: IS effective sample size", "ESS / N of the applied weight"),
+    ("is_weight_mean", "Mean applied IS weight", "mean weight (kept tokens)"),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    root = results_root(argv)
+    df = load_summary(root, EXP)
+    df = smooth(df[df.complete], [c for c, *_ in PANELS[1:]])
+    set_theme()
+    title = "Student-t (ν=3, σ=0.5) logit noise in μ, π_old recomputed, countdown task model"
+    caption = mechanism_caption(root, EXP, df, ARMS)
+    panel_row(df, PANELS, ARMS, "optimizer step", title, root / EXP / "fig_cis_vs_tis",
+              caption=caption, marks=endpoint_marks(root, EXP))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Figure: full-pipeline FP8, calibrated vs standard clip (Calibrated Clipping, seed 002).
+
+python -m analysis.fp8_full_pipeline [--results DIR]   # reads results/<exp>/summary.csv
+"""
+
+from __future__ import annotations
+
+from analysis.claims import endpoint_marks
+from analysis.common import set_theme
+from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
+
+EXP = "fp8_full_pipeline"
+ARMS = ["calibrated clip (every 5, EMA 0.5)", "std clip"]
+PANELS = [  # column, title, y label, arms shown
+    ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)", ARMS),
+    ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)", ARMS),
+    ("clip_frac_low", "Mechanism: A<0 clipped at the lower bound", "fraction of tokens", ARMS),
+    ("calib_low", "Calibrated lower bound L", "L", ARMS[:1]),
+    ("calib_high", "Calibrated upper bound H", "H", ARMS[:1]),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    root = results_root(argv)
+    df = load_summary(root, EXP)
+    df = smooth(df[df.complete], ["entropy_mean", "clip_frac_low"])
+    set_theme()
+    title = "Full-pipeline FP8 (E5M2 W8A8, trainer straight-through), π_old := μ, k = 2"
+    caption = mechanism_caption(root, EXP, df, ARMS)
+    panel_row(df, PANELS, ARMS, "optimizer step", title, root / EXP / "fig_fp8_full_pipeline",
+              caption=caption, marks=endpoint_marks(root, EXP))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
