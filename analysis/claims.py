@@ -90,15 +90,22 @@ def check_prereg(prereg: Any) -> None:
         need(isinstance(where, dict), at + "where", where, "a mapping of summary columns to values")
 
 
+def select_cell(frame: pd.DataFrame, where: dict | None, strict: bool = True) -> pd.DataFrame:
+    """The rows of one cell of a grid (`where`: column → value); `strict=False` skips columns
+    `frame` lacks (mechanism.csv has σ but no staleness: the step-0 check has no α)."""
+    for key, value in (where or {}).items():
+        if key not in frame:
+            if strict:
+                raise ValueError(f"prereg where: {key!r} is not a summary.csv column")
+            continue
+        col = frame[key]
+        frame = frame[np.isclose(col, value) if isinstance(value, float) else col == value]
+    return frame
+
+
 def endpoint_values(df: pd.DataFrame, ep: dict) -> pd.Series:
     """One number per complete run, indexed by (arm, seed), reduced as registered."""
-    runs = df[df.complete]
-    for key, value in (ep.get("where") or {}).items():  # one cell of a grid
-        if key not in runs:
-            raise ValueError(f"prereg where: {key!r} is not a summary.csv column")
-        runs = runs[
-            np.isclose(runs[key], value) if isinstance(value, float) else runs[key] == value
-        ]
+    runs = select_cell(df[df.complete], ep.get("where"))
     col = ep["metric"]
     if ep["reduce"] == "window_mean":
         lo, hi = ep["window"]
@@ -213,14 +220,16 @@ def claims(root: Path) -> pd.DataFrame:
         tr, ct = prereg["treatment"], prereg["control"]
         for ep in prereg["endpoints"]:
             res = run_endpoint(endpoint_values(df, ep), ep, tr, ct)
+            d_cell = select_cell(df, ep.get("where"))  # the mechanism of the endpoint's cell
+            m_cell = None if mech is None else select_cell(mech, ep.get("where"), strict=False)
             rows.append({
                 "experiment": exp, "claim": prereg["claim"], "source": prereg["source"],
                 "treatment": tr, "control": ct, "endpoint": ep["name"], "metric": ep["metric"],
                 "reduce": ep["reduce"], "test": ep["test"], "predicted": ep["predicted"],
                 "where": ", ".join(f"{k}={v}" for k, v in (ep.get("where") or {}).items()),
                 "seeds_planned": prereg["seeds"],
-                "mechanism_treatment": mechanism_summary(mech, df, tr),
-                "mechanism_control": mechanism_summary(mech, df, ct), **res,
+                "mechanism_treatment": mechanism_summary(m_cell, d_cell, tr),
+                "mechanism_control": mechanism_summary(m_cell, d_cell, ct), **res,
             })  # fmt: skip
     return pd.DataFrame(rows)
 

@@ -19,7 +19,7 @@ import seaborn as sns
 
 from analysis.claims import endpoint_values, run_endpoint, stars
 from analysis.common import savefig, set_theme
-from analysis.runs import load_summary, results_root
+from analysis.runs import load_summary, results_root, share
 
 EXP = "phase_diagram"
 TREATMENT, CONTROL = "π_old := μ (std clip)", "π_old recomputed (std clip)"
@@ -105,7 +105,7 @@ def mechanism_lines(root) -> str:
     m = pd.read_csv(path)
     m = m[m.trained & (m.arm == TREATMENT)].groupby("sigma").mean(numeric_only=True)
     return "step-0 check (π_old := μ): " + "; ".join(
-        f"σ {s:g}: {r.oob_frac:.1%} out of [0.5, 2] ({r.fork_oob_share:.0%} on forks), A<0 "
+        f"σ {s:g}: {r.oob_frac:.1%} out of [0.5, 2] ({share(r.fork_oob_share)} on forks), A<0 "
         f"below 1−ε {r.neg_low_clip:.1%} vs A>0 above 1+ε {r.pos_high_clip:.1%}, μ reward "
         f"{r.sampler_reward:.3f}" for s, r in m.iterrows()
     )  # fmt: skip

@@ -156,6 +156,11 @@ RUN_MECHANISM = {
 }
 
 
+def share(x: float) -> str:
+    """A share as a percentage; "—" when undefined (nothing out of band: no fork share)."""
+    return "—" if pd.isna(x) else f"{x:.0%}"
+
+
 def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> str:
     """The step-0 mechanism check of `arm`'s runs (mean over seeds) and the run-mean share of
     tokens each in-run mechanism acted on."""
@@ -165,7 +170,7 @@ def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> 
         if not m.empty:
             mean = m.mean(numeric_only=True)
             parts.append(
-                f"step 0: {mean.oob_frac:.1%} out of band, {mean.fork_oob_share:.0%} of it on "
+                f"step 0: {mean.oob_frac:.1%} out of band, {share(mean.fork_oob_share)} of it on "
                 f"forks, {mean.forks_deleted:.0%} of forks outside; A<0 below 1−ε "
                 f"{mean.neg_low_clip:.1%} vs A>0 above 1+ε {mean.pos_high_clip:.1%}; "
                 f"μ reward {mean.sampler_reward:.3f}"

@@ -14,6 +14,7 @@ from analysis.claims import (
     endpoint_values,
     markdown,
     run_endpoint,
+    select_cell,
     stars,
 )
 from analysis.stats import paired_t
@@ -131,6 +132,11 @@ def test_where_selects_one_cell_of_a_grid():
     assert sorted(endpoint_values(df, ep).index) == [("C", 0), ("C", 1), ("T", 0), ("T", 1)]
     with pytest.raises(ValueError, match="'noise' is not a summary.csv column"):
         endpoint_values(df, {**ep, "where": {"noise": "logit"}})
+    # the step-0 mechanism table has σ but no staleness: a lax selection skips what it lacks
+    mech = pd.DataFrame({"sigma": [1.0, 0.5], "oob_frac": [0.1, 0.2]})
+    assert select_cell(mech, {"sigma": 0.5, "staleness": 2}, strict=False).oob_frac.tolist() == [
+        0.2
+    ]
 
 
 def test_a_seed_without_a_value_in_either_arm_is_left_out_of_the_pairs():
