@@ -140,6 +140,8 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
         out.update(stat=f"{a}/{len(x)} vs {cc}/{len(y)} runs", p=p)
         if a + cc == 0:
             out["verdict"] = "not reproduced: no event in either arm"
+        elif a + cc == len(x) + len(y):
+            out["verdict"] = "not reproduced: an event in every run of both arms"
         else:
             out["verdict"] = "reproduced" if p < ALPHA else "not resolved"
         return out

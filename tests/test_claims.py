@@ -117,6 +117,11 @@ def test_verdicts_follow_the_registered_test_and_direction():
                            {"metric": "m", "reduce": "final_any"})  # fmt: skip
     fisher = run_endpoint(none, {**ep, "test": "fisher", "reduce": "final_any"}, "T", "C")
     assert fisher["verdict"] == "not reproduced: no event in either arm"
+    every = endpoint_values(_summary({(a, s): [1] * 4 for a in "TC" for s in range(3)}),
+                            {"metric": "m", "reduce": "final_any"})  # fmt: skip
+    fisher = run_endpoint(every, {**ep, "test": "fisher", "reduce": "final_any"}, "T", "C")
+    assert fisher["verdict"] == "not reproduced: an event in every run of both arms"
+    assert fisher["p"] == pytest.approx(1.0) and fisher["stat"] == "3/3 vs 3/3 runs"
     assert run_endpoint(vals, ep, "T", "X")["verdict"].startswith("not run")
     table = pd.DataFrame([{"experiment": "x", "claim": "c", "source": "s", "treatment": "T",
                            "control": "C", "endpoint": "e", "metric": "m", "reduce": "r",
