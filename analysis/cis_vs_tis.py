@@ -5,9 +5,8 @@ python -m analysis.cis_vs_tis [--results DIR]   # reads results/<exp>/summary.cs
 
 from __future__ import annotations
 
-from analysis.claims import endpoint_marks
 from analysis.common import set_theme
-from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "cis_vs_tis"
 ARMS = ["CIS (λ = 2.3)", "TIS (C = 2)"]
@@ -26,9 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df[df.complete], [c for c, *_ in PANELS[1:]])
     set_theme()
     title = "Student-t (ν=3, σ=0.5) logit noise in μ, π_old recomputed, countdown task model"
-    caption = mechanism_caption(root, EXP, df, ARMS)
-    panel_row(df, PANELS, ARMS, "optimizer step", title, root / EXP / "fig_cis_vs_tis",
-              caption=caption, marks=endpoint_marks(root, EXP))  # fmt: skip
+    panel_row(df, PANELS, ARMS, "optimizer step", title, root, EXP)
 
 
 if __name__ == "__main__":

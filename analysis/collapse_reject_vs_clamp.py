@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.claims import endpoint_marks
 from analysis.common import set_theme
-from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "collapse_reject_vs_clamp"
 ARMS = ["reject (band [0.5, 2])", "reject (mask [0.5, 2])", "trust-unbounded (raw r)"]
@@ -29,9 +28,7 @@ def draw(root: Path, exp: str, title: str) -> None:
     df = load_summary(root, exp)
     runs = smooth(df[df.complete], [c for c, *_ in PANELS[1:]])
     set_theme()
-    caption = mechanism_caption(root, exp, runs, ARMS)
-    panel_row(runs, PANELS, ARMS, "optimizer step", title, root / exp / f"fig_{exp}",
-              caption=caption, marks=endpoint_marks(root, exp))  # fmt: skip
+    panel_row(runs, PANELS, ARMS, "optimizer step", title, root, exp)
 
 
 def main(argv: list[str] | None = None) -> None:

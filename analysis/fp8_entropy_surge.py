@@ -5,9 +5,8 @@ python -m analysis.fp8_entropy_surge [--results DIR]   # reads results/<exp>/sum
 
 from __future__ import annotations
 
-from analysis.claims import endpoint_marks
 from analysis.common import set_theme
-from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "fp8_entropy_surge"
 ARMS = ["π_old := μ (std clip)", "π_old recomputed (std clip)"]  # the β stand-in (issue 16)
@@ -27,10 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df[df.complete], ["entropy_mean", "reward_mean", "clip_frac_low"])
     set_theme()
     title = "Student-t (ν=3, σ=0.5) logit noise in μ (FP8 stand-in), countdown task model"
-    caption = mechanism_caption(root, EXP, df, ARMS)
-    path = root / EXP / "fig_fp8_entropy_surge"
-    panel_row(df, PANELS, ARMS, "optimizer step", title, path, legend_on=(0, len(PANELS) - 1),
-              caption=caption, marks=endpoint_marks(root, EXP))  # fmt: skip
+    panel_row(df, PANELS, ARMS, "optimizer step", title, root, EXP, legend_on=(0, len(PANELS) - 1))
 
 
 if __name__ == "__main__":

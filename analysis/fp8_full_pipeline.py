@@ -5,9 +5,8 @@ python -m analysis.fp8_full_pipeline [--results DIR]   # reads results/<exp>/sum
 
 from __future__ import annotations
 
-from analysis.claims import endpoint_marks
 from analysis.common import set_theme
-from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "fp8_full_pipeline"
 ARMS = ["calibrated clip (every 5, EMA 0.5)", "std clip"]
@@ -26,9 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df[df.complete], ["entropy_mean", "clip_frac_low"])
     set_theme()
     title = "Full-pipeline FP8 (E5M2 W8A8, trainer straight-through), π_old := μ, k = 2"
-    caption = mechanism_caption(root, EXP, df, ARMS)
-    panel_row(df, PANELS, ARMS, "optimizer step", title, root / EXP / "fig_fp8_full_pipeline",
-              caption=caption, marks=endpoint_marks(root, EXP))  # fmt: skip
+    panel_row(df, PANELS, ARMS, "optimizer step", title, root, EXP)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,8 @@ python -m analysis.nsr_vs_decay [--results DIR]   # reads results/<exp>/summary.
 
 from __future__ import annotations
 
-from analysis.claims import endpoint_marks
 from analysis.common import set_theme
-from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "nsr_vs_decay"
 ARMS = ["hard clip", "NSR", "deterministic decay", "push control"]
@@ -27,9 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df, [c for c, *_ in PANELS[1:]])
     set_theme()
     title = "Gaussian logit noise σ=0.5, π_old := μ, countdown task model"
-    caption = mechanism_caption(root, EXP, df, ARMS)
-    panel_row(df, PANELS, ARMS, "optimizer step", title, root / EXP / "fig_nsr_vs_decay",
-              caption=caption, marks=endpoint_marks(root, EXP))  # fmt: skip
+    panel_row(df, PANELS, ARMS, "optimizer step", title, root, EXP)
 
 
 if __name__ == "__main__":

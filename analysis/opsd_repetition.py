@@ -5,9 +5,8 @@ python -m analysis.opsd_repetition [--results DIR]   # reads results/<exp>/summa
 
 from __future__ import annotations
 
-from analysis.claims import endpoint_marks
 from analysis.common import set_theme
-from analysis.runs import load_summary, mechanism_caption, panel_row, results_root, smooth
+from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "opsd_repetition"
 PANELS = [  # column, title, y label
@@ -32,11 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df, [c for c, *_ in PANELS[:4]])
     set_theme()
     title = "OPSD, 3-digit arithmetic task model (teacher: initial model + reference solution)"
-    path = root / EXP / "fig_opsd_repetition"
-    arms = sorted(set(df.arm))
-    caption = mechanism_caption(root, EXP, df, arms)
-    panel_row(df, PANELS, arms, "distillation update", title, path, caption=caption,
-              marks=endpoint_marks(root, EXP))  # fmt: skip
+    panel_row(df, PANELS, sorted(set(df.arm)), "distillation update", title, root, EXP)
 
 
 if __name__ == "__main__":

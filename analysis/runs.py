@@ -73,15 +73,15 @@ def arm_label(exp: str, cfg: dict) -> str:
         if obj == "cis":
             return f"CIS (λ = {objective_kw(cfg, 'lam'):g})"
         return f"TIS (C = {objective_kw(cfg, 'cap'):g})" if obj == "tis" else obj
+    recomputed = cfg["engine"]["logp_old_source"] == "trainer"
+    pi_old = f"π_old {'recomputed' if recomputed else ':= μ'} (std clip)"
     if exp == "phase_diagram":  # the map's two arms (issue 16)
-        recomputed = cfg["engine"]["logp_old_source"] == "trainer"
-        return f"π_old {'recomputed' if recomputed else ':= μ'} (std clip)"
+        return pi_old
     if exp == "fp8_entropy_surge":
         if cfg["noise"]["name"] == "none":
             return "high precision"
         if cfg["noise"]["name"] == "logit" and obj == "ppo_clip":  # the β stand-in (issue 16)
-            recomputed = cfg["engine"]["logp_old_source"] == "trainer"
-            return f"π_old {'recomputed' if recomputed else ':= μ'} (std clip)"
+            return pi_old
         if cfg["noise"].get("fmt") == "e5m2":  # the stress arm: E5M2 weights + activations
             return "FP8 E5M2 W8A8 (std clip)"
         names = {"tis": "FP8 + TIS", "cis": "FP8 + CIS", "calibrated_clip": "FP8 + calibrated"}
@@ -285,25 +285,28 @@ def panel_row(
     arms: list[str],
     xlabel: str,
     title: str,
-    path: Path,
+    root: Path,
+    exp: str,
     legend_on: tuple[int, ...] = (0,),
-    caption: str = "",
-    marks: dict[str, str] | None = None,
 ) -> None:
-    """One row of `curve` panels, each (column, title, y label[, arms shown]); mean and 95%
-    t-interval over seeds; written through `savefig` as PNG + PDF. `marks`: column → the
-    pre-registered endpoint's result (analysis.claims.endpoint_marks), shown under its title."""
+    """One row of `curve` panels of experiment `exp`, each (column, title, y label[, arms
+    shown]); mean and 95% t-interval over seeds; the mechanism check of each arm shown as the
+    caption (`mechanism_caption`), each pre-registered endpoint's test under its panel's title
+    (analysis.claims.endpoint_marks); written as root/exp/fig_<exp>.png and .pdf (`savefig`)."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
+    from analysis.claims import endpoint_marks  # analysis.claims imports this module
     from analysis.common import savefig
+
+    caption, marks = mechanism_caption(root, exp, df, arms), endpoint_marks(root, exp)
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.2))
     for i, (ax, (col, panel_title, ylabel, *shown)) in enumerate(zip(axes, panels)):
         d = df[df.arm.isin(shown[0])] if shown else df
         curve(ax, d, col, arms, legend=i in legend_on)
         ax.set(title=panel_title, xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
-        if marks and col in marks:  # the registered test: treatment − control, paired by seed
+        if col in marks:  # the registered test: treatment − control, paired by seed
             ax.set_title(panel_title, pad=24)
             ax.text(
                 0.5,
@@ -326,4 +329,4 @@ def panel_row(
     if caption:  # the mechanism check under the panels (issue 16: no null without it)
         bottom = 0.03 + 0.035 * (caption.count("\n") + 1)
         fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
-    savefig(fig, path, bottom)
+    savefig(fig, Path(root) / exp / f"fig_{exp}", bottom)
