@@ -45,7 +45,7 @@ from harness.io import write_text_atomic
 
 EXPERIMENTS = ["collapse_reject_vs_clamp", "collapse_drivers", "fp8_entropy_surge",
                "fp8_full_pipeline", "nsr_vs_decay", "opsd_repetition", "cis_vs_tis",
-               "phase_diagram"]  # fmt: skip
+               "phase_diagram", "nsr_dose", "cis_dose"]  # fmt: skip
 REDUCES = ("final_any", "window_mean", "last_evals")
 TESTS = ("paired_t", "tost", "fisher")
 PREDICTED = ("greater", "less")

@@ -69,7 +69,7 @@ def arm_label(exp: str, cfg: dict) -> str:
             every, ema = objective_kw(cfg, "every"), objective_kw(cfg, "ema")
             return f"calibrated clip (every {every}, EMA {ema:g})"
         return "std clip" if obj == "ppo_clip" else obj
-    if exp == "cis_vs_tis":
+    if exp in ("cis_vs_tis", "cis_dose"):
         if obj == "cis":
             return f"CIS (λ = {objective_kw(cfg, 'lam'):g})"
         return f"TIS (C = {objective_kw(cfg, 'cap'):g})" if obj == "tis" else obj
@@ -86,7 +86,7 @@ def arm_label(exp: str, cfg: dict) -> str:
             return "FP8 E5M2 W8A8 (std clip)"
         names = {"tis": "FP8 + TIS", "cis": "FP8 + CIS", "calibrated_clip": "FP8 + calibrated"}
         return names.get(obj, "FP8 (std clip)")
-    if exp == "nsr_vs_decay":
+    if exp in ("nsr_vs_decay", "nsr_dose"):
         if obj == "nsr":
             return {"stochastic": "NSR", "deterministic": "deterministic decay"}.get(
                 kw["mode"], "push control"

@@ -17,13 +17,11 @@ from pathlib import Path
 
 import yaml
 
+from analysis.claims import EXPERIMENTS as CLAIMED
 from analysis.runs import load_mechanism, load_prereg, load_raw
 from harness.io import write_text_atomic
 
-EXPERIMENTS = [
-    "collapse_reject_vs_clamp", "fp8_entropy_surge", "opsd_repetition", "nsr_vs_decay",
-    "phase_diagram", "alpha_calibration",
-]  # fmt: skip
+EXPERIMENTS = [*CLAIMED, "alpha_calibration"]  # every experiment with training runs
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,6 +78,8 @@ def test_every_preset_exists():
         "cis_vs_tis",
         "collapse_drivers",
         "fp8_full_pipeline",
+        "nsr_dose",
+        "cis_dose",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
