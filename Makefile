@@ -66,6 +66,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.opsd_repetition
 	$(PY) -m analysis.nsr_vs_decay
 	$(PY) -m analysis.phase_diagram
+	$(PY) -m analysis.dose_response  # NSR and CIS over β, with their base experiments' σ point
 	$(PY) -m analysis.alpha_calibration
 	$(PY) -m analysis.claims  # results/claims.md: every pre-registered endpoint and its verdict
 

@@ -167,3 +167,51 @@ def test_load_raw_copies_the_model_checksum_from_meta(tmp_path):
     df = load_raw(tmp_path, "exp")
     assert df.weights_sha.tolist() == ["abf264c4edf47066"]
     assert df.recipe_hash.tolist() == ["a814f17fcbcb"]
+
+
+def test_dose_response_tests_each_noise_level_as_registered(tmp_path):
+    """The curve's points are the dose preset's endpoints applied at every σ (base experiment's
+    level included); the paired differences equal the hand-computed mean of per-seed gaps."""
+    from analysis.dose_response import curve_points, main, mechanism_points
+
+    treat, ctrl = "NSR", "deterministic decay"
+    gaps = {0.5: [0.01, 0.02, 0.03], 1.0: [0.05, 0.06, 0.10], 2.0: [-0.02, 0.0, 0.05]}
+    for exp, sigmas in (("nsr_vs_decay", [0.5]), ("nsr_dose", [1.0, 2.0])):
+        rows = []
+        for sigma in sigmas:
+            for seed, gap in enumerate(gaps[sigma]):
+                for arm, extra in ((treat, gap), (ctrl, 0.0)):
+                    for s in (1, 2, 3, 4):
+                        acc = 0.2 + 0.01 * seed + extra if s >= 3 else np.nan
+                        rows.append({"run": f"{arm}{sigma}{seed}", "arm": arm, "seed": seed,
+                                     "sigma": sigma, "step": s, "eval_acc": acc,
+                                     "entropy_mean": 0.3, "rescue_frac": 0.01 * sigma,
+                                     "clip_frac_low": 0.02, "steps": 4,
+                                     "complete": True})  # fmt: skip
+        (tmp_path / exp).mkdir()
+        pd.DataFrame(rows).to_csv(tmp_path / exp / "summary.csv", index=False)
+    ep = {"metric": "eval_acc", "reduce": "last_evals", "n": 2, "test": "paired_t",
+          "predicted": "greater"}  # fmt: skip
+    prereg = {"claim": "c", "source": "s", "seeds": 3, "treatment": treat, "control": ctrl,
+              "endpoints": [{"name": f"accuracy, σ {s}", **ep, "where": {"sigma": s}}
+                            for s in (1.0, 2.0)]}  # fmt: skip
+    (tmp_path / "nsr_dose" / "prereg.yaml").write_text(yaml.safe_dump(prereg))
+    df = pd.concat(
+        [pd.read_csv(tmp_path / e / "summary.csv") for e in ("nsr_vs_decay", "nsr_dose")]
+    )
+    pts = curve_points(df, prereg).set_index("sigma")
+    assert list(pts.endpoint) == ["accuracy"] * 3  # one curve, every σ
+    for sigma, g in gaps.items():
+        assert pts.loc[sigma, "diff"] == pytest.approx(np.mean(g), abs=1e-12)
+        assert pts.loc[sigma, "pairs"] == 3
+    mech = pd.DataFrame({"arm": treat, "trained": True, "sigma": [1.0, 1.0, 2.0],
+                         "oob_frac": [0.07, 0.09, 0.2], "neg_low_clip": 0.1})  # fmt: skip
+    mech.to_csv(tmp_path / "nsr_dose" / "mechanism.csv", index=False)
+    m = mechanism_points(tmp_path, ["nsr_vs_decay", "nsr_dose"], df, treat,
+                         [("rescue_frac", "rescued")])  # fmt: skip
+    assert np.isnan(m.loc[0.5, "oob_frac"])  # no check recorded at σ 0.5 in this fixture
+    assert m.loc[1.0, "oob_frac"] == pytest.approx(0.08) and m.loc[
+        2.0, "rescue_frac"
+    ] == pytest.approx(0.02)
+    main(["--results", str(tmp_path)])
+    assert (tmp_path / "nsr_dose" / "fig_nsr_dose.png").stat().st_size > 10_000
