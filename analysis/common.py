@@ -3,6 +3,7 @@ run discovery and tidy loading. Scripts read only results/."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -12,6 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+
+from harness.io import write_text_atomic  # noqa: E402
 
 RESULTS = Path("results")
 
@@ -28,9 +31,13 @@ def savefig(fig: plt.Figure, path: str | Path, bottom: float = 0.0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout(rect=(0, bottom, 1, 1))
     png, pdf = (path.parent / f"{path.name}{ext}" for ext in (".png", ".pdf"))
-    # no timestamps in the files: regenerating unchanged data leaves git clean
-    fig.savefig(png, dpi=150, metadata={"Software": None})
-    fig.savefig(pdf, metadata={"CreationDate": None, "Producer": None})
+    # no timestamps in the files: regenerating unchanged data leaves git clean; each written
+    # atomically (an interrupted run leaves the previous figure, not half of a new one)
+    for out, kw in ((png, {"dpi": 150, "metadata": {"Software": None}}),
+                    (pdf, {"metadata": {"CreationDate": None, "Producer": None}})):  # fmt: skip
+        buf = io.BytesIO()
+        fig.savefig(buf, format=out.suffix[1:], **kw)
+        write_text_atomic(out, buf.getvalue())
     plt.close(fig)
     return png
 

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         root = Path(a.results)
         mech = load_mechanism(root, exp)
         if not mech.empty:
-            mech.to_csv(root / exp / "mechanism.csv", index=False, float_format="%.5g")
+            csv = mech.to_csv(index=False, float_format="%.5g")
+            write_text_atomic(root / exp / "mechanism.csv", csv)
         prereg = load_prereg(root, exp)
         if prereg:
             write_text_atomic(root / exp / "prereg.yaml", yaml.safe_dump(prereg, sort_keys=False))
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         last = df.groupby("run").step.transform("max")
         df["complete"] = last >= df.steps
         out = Path(a.results) / exp / "summary.csv"
-        df.to_csv(out, index=False, float_format="%.5g")
+        write_text_atomic(out, df.to_csv(index=False, float_format="%.5g"))
         n = df.groupby("run").complete.first()
         print(f"[summarize] {exp}: {n.sum()} complete / {len(n)} runs → {out}")
 
