@@ -26,7 +26,16 @@ class ModelCfg:
 
 
 @dataclass
+class Ct2Cfg:
+    # float32: CTranslate2's kernels only (β from kernels); int8 / int8_float32: its int8
+    # weights (and activations for int8): quantisation β (harness.ct2)
+    compute_type: str = "float32"
+
+
+@dataclass
 class EngineCfg:
+    sampler: str = "hf"  # μ's inference engine: hf (this process's model) | ct2 (CTranslate2)
+    ct2: Ct2Cfg = field(default_factory=Ct2Cfg)
     sampler_dtype: str = "fp32"  # precision: the `precision` natural difference (bf16 vs fp32)
     trainer_dtype: str = "fp32"
     kv_cache: bool = True  # False: the sampler decodes by full recompute (`kv` difference)

@@ -98,6 +98,50 @@ def gather_rows(x: Tensor, inv: Tensor) -> Tensor:
     return x.index_select(0, inv)
 
 
+def encode_prompts(tokenizer, prompts: list[str] | list[list[int]]) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists (or raw strings, tokenized as is) into [N, P] ids and mask."""
+    if not prompts:
+        raise ValueError("generate: no prompts given")
+    ids = [
+        tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p)
+        for p in prompts
+    ]
+    if any(len(x) == 0 for x in ids):
+        raise ValueError("generate: empty prompt")
+    width = max(len(x) for x in ids)
+    out = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, x in enumerate(ids):
+        out[i, width - len(x) :] = torch.tensor(x)
+        mask[i, width - len(x) :] = 1
+    return out, mask
+
+
+def check_request(n: int, max_new_tokens: int, n_prompt: int, max_len: int | None) -> None:
+    """A generate call's sizes, before any compute (both engines)."""
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, {max_new_tokens=}")
+    if max_len is not None and n_prompt + max_new_tokens > max_len:
+        raise ValueError(
+            f"prompt of {n_prompt} tokens + max_new_tokens={max_new_tokens} exceeds the "
+            f"model context of {max_len} tokens; shorten the prompt or max_new_tokens"
+        )
+
+
+def eos_ids(model: PreTrainedModel) -> Tensor:
+    eos = model.config.eos_token_id if model.config.eos_token_id is not None else []
+    return torch.tensor(eos if isinstance(eos, list) else [eos], dtype=torch.long)
+
+
+@torch.no_grad()
+def copy_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    """Weight sync: every parameter of `model` from `state` (cast to the model's dtype)."""
+    for name, p in model.named_parameters():
+        if name not in state:
+            raise KeyError(f"weight sync: parameter {name} missing from the source weights")
+        p.copy_(state[name])
+
+
 def position_ids(attention_mask: Tensor) -> Tensor:
     """Left padding: positions count real tokens only (pads get 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -133,29 +177,13 @@ class Engine:
         self.kv_cache = kv_cache
         self.chunk = chunk
         self.pad_id = tokenizer.pad_token_id
-        eos = model.config.eos_token_id if model.config.eos_token_id is not None else []
-        self.eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], dtype=torch.long)
+        self.eos_ids = eos_ids(model)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
 
     # --- prompts ---------------------------------------------------------------------------
 
     def encode_prompts(self, prompts: list[str] | list[list[int]]) -> tuple[Tensor, Tensor]:
-        """Left-pad token lists (or raw strings, tokenized as is) into [N, P] ids and mask."""
-        if not prompts:
-            raise ValueError("generate: no prompts given")
-        ids = [
-            self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p)
-            for p in prompts
-        ]
-        if any(len(x) == 0 for x in ids):
-            raise ValueError("generate: empty prompt")
-        width = max(len(x) for x in ids)
-        out = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, x in enumerate(ids):
-            out[i, width - len(x) :] = torch.tensor(x)
-            mask[i, width - len(x) :] = 1
-        return out, mask
+        return encode_prompts(self.tokenizer, prompts)
 
     # --- sampler ---------------------------------------------------------------------------
 
@@ -192,14 +220,8 @@ class Engine:
         progress: bool = False,
     ) -> Rollout:
         check_sampling(temperature, top_k, top_p)
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, {max_new_tokens=}")
         ids, attn = self.encode_prompts(prompts)
-        if self.max_len is not None and ids.shape[1] + max_new_tokens > self.max_len:
-            raise ValueError(
-                f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                f"model context of {self.max_len} tokens; shorten the prompt or max_new_tokens"
-            )
+        check_request(n, max_new_tokens, ids.shape[1], self.max_len)
         cache = DynamicCache() if self.kv_cache else None
         if n > 1 and cache is not None and self._can_share_prefix():
             # shared prompt prefill: each prompt once, then its KV cache and next-token logits
@@ -458,9 +480,49 @@ class Engine:
     def load_weights_from_state(self, state: dict[str, Tensor]) -> None:
         """Weight sync from a state dict (e.g. a version k steps old, for staleness); noise
         models then refresh (FP8 re-quantises the new weights)."""
-        for name, p in self.model.named_parameters():
-            if name not in state:
-                raise KeyError(f"weight sync: parameter {name} missing from the source weights")
-            p.copy_(state[name])
+        copy_weights(self.model, state)
         for n in self.noise:
             n.on_weight_sync()
+
+
+# --- the sampler's inference engine (`engine.sampler`): one small table, one check -----------
+
+
+def _hf(model, tokenizer, noise, kv_cache: bool, ct2_compute_type: str) -> Engine:
+    return Engine(model, tokenizer, noise=noise, kv_cache=kv_cache)
+
+
+def _ct2(model, tokenizer, noise, kv_cache: bool, ct2_compute_type: str):
+    from harness.ct2 import Ct2Engine
+
+    return Ct2Engine(model, tokenizer, compute_type=ct2_compute_type)
+
+
+ENGINES = {"hf": _hf, "ct2": _ct2}  # μ: this process's HF model | CTranslate2 (harness.ct2)
+
+
+def check_sampler(name: str, compute_type: str, noise: list[str], sampler_dtype: str) -> None:
+    """`engine.sampler` and what it allows, before any compute: ct2 brings its own β (kernels,
+    quantisation), so no noise is injected and its precision is `engine.ct2.compute_type`."""
+    if name not in ENGINES:
+        raise ValueError(f"engine.sampler={name!r}; valid: {', '.join(ENGINES)}")
+    if name != "ct2":
+        return
+    from harness.ct2 import COMPUTE_TYPES, require_ct2
+
+    if compute_type not in COMPUTE_TYPES:
+        raise ValueError(
+            f"engine.ct2.compute_type={compute_type!r}; valid: {', '.join(COMPUTE_TYPES)}"
+        )
+    if noise:
+        raise ValueError(
+            f"engine.sampler=ct2 with injected noise {noise}: CTranslate2's β is its own (its "
+            "kernels, engine.ct2.compute_type); inject none (train: noise=none; measure: "
+            "sampler_noise=[]), or use engine.sampler=hf with the noise"
+        )
+    if sampler_dtype != "fp32":
+        raise ValueError(
+            f"engine.sampler_dtype={sampler_dtype!r} with engine.sampler=ct2; valid: 'fp32' "
+            "(CTranslate2's precision is engine.ct2.compute_type)"
+        )
+    require_ct2()

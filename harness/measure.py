@@ -43,7 +43,7 @@ from harness import config as _config  # noqa: F401  (registers the run_name res
 from harness.alpha import minibatch_schedule, perturb_weights_
 from harness.batch import TokenBatch
 from harness.diagnostics import CONF_EDGES, bin_index, identity_check
-from harness.engines import Engine, Rollout
+from harness.engines import ENGINES, Engine, Rollout, check_sampler
 from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import run_task
 from harness.models import load_model, resolve_dtype, weights_sha
@@ -111,6 +111,13 @@ def noise_label(nodes: list[dict]) -> str:
         ]
         parts.append(f"{n['name']}({', '.join(kw)})")
     return " + ".join(parts) or "none"
+
+
+def beta_label(cfg: DictConfig, nodes: list[dict]) -> str:
+    """What μ differs by: the injected noise (HF sampler), or the inference engine itself."""
+    if cfg.engine.sampler == "ct2":
+        return f"CTranslate2 {cfg.engine.ct2.compute_type}"
+    return noise_label(nodes)
 
 
 def model_spec(cfg: DictConfig) -> str:
@@ -286,7 +293,7 @@ def build_report(split: SNRSplit, truth: BinnedMoments | None, cfg: DictConfig, 
     }
     report["summary"] = {
         **meta,
-        "label": f"{noise_label(nodes)} | α: {meta.get('alpha_label', cfg.alpha.mode)}",
+        "label": f"{beta_label(cfg, nodes)} | α: {meta.get('alpha_label', cfg.alpha.mode)}",
         "noise": nodes,
         "gate_sigma_source": src,
         "table3": {k: float(v) for k, v in anatomy.items()},
@@ -383,21 +390,17 @@ def run(cfg: DictConfig) -> dict:
     spec = model_spec(cfg)
     if cfg.alpha.mode not in ("steps", "perturb", "none"):
         raise ValueError(f"alpha.mode={cfg.alpha.mode!r}; valid: steps, perturb, none")
+    eng = cfg.engine
+    check_sampler(eng.sampler, eng.ct2.compute_type, [n["name"] for n in nodes], cfg.sampler_dtype)
 
-    print(f"[measure] loading {spec}; μ noise: {noise_label(nodes)} ...", flush=True)
+    print(f"[measure] loading {spec}; μ: {beta_label(cfg, nodes)} ...", flush=True)
     trainer_model, tok = load_model(spec, dtype=cfg.trainer_dtype, seed=cfg.seed)
     trainer_model.requires_grad_(False)
     model_sha = weights_sha(trainer_model)  # before any α step: the weights measured
     print(f"[measure] {spec}: weights checksum {model_sha}", flush=True)
     sampler_model = copy.deepcopy(trainer_model).to(resolve_dtype(cfg.sampler_dtype))
-    sampler = Engine(
-        sampler_model,
-        tok,
-        noise=[
-            build_noise(n["name"], **{k: v for k, v in n.items() if k != "name"}) for n in nodes
-        ],
-        kv_cache=cfg.kv_cache,
-    )
+    noise = [build_noise(n["name"], **{k: v for k, v in n.items() if k != "name"}) for n in nodes]
+    sampler = ENGINES[eng.sampler](sampler_model, tok, noise, cfg.kv_cache, eng.ct2.compute_type)
 
     def trainer_engine(model):
         return Engine(model, tok, noise=[build_noise("replay")] if cfg.routing_replay else [])
@@ -501,6 +504,7 @@ def run(cfg: DictConfig) -> dict:
     meta = {
         "model": spec,
         "weights_sha": model_sha,
+        "sampler": eng.sampler,  # μ's engine (ct2: its compute type is in the label)
         "sampler_dtype": cfg.sampler_dtype,
         "trainer_dtype": cfg.trainer_dtype,
         "alpha": alpha_info,

@@ -42,7 +42,7 @@ from harness import config as _schema  # noqa: F401  (registers the structured-c
 from harness.alpha import WeightHistory, minibatch_schedule
 from harness.batch import TokenBatch
 from harness.diagnostics import bin_means, dials, identity_check
-from harness.engines import Engine, Rollout
+from harness.engines import ENGINES, Engine, Rollout, check_sampler
 from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import AGGREGATION_KEYS, check_nodes, read_json, run_task, update_meta
 from harness.logprobs import check_sampling
@@ -101,12 +101,15 @@ def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, d
 
 
 def build_sampler(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
-    """The sampler holds its own copy of the weights: dtype, attention path and noise are μ's."""
+    """The sampler holds its own copy of the weights: engine, dtype, attention path and noise
+    are μ's (engine.sampler: harness.engines.ENGINES)."""
     smp = copy.deepcopy(model).to(resolve_dtype(cfg.engine.sampler_dtype))
     smp.config._attn_implementation = cfg.engine.sampler_attention
     specs = [split_node(n) for n in [cfg.noise, *cfg.extra_noise]]
     noise = [build_noise(name, **kw) for name, kw in specs if name != "none"]
-    return Engine(smp, tok, noise=noise, kv_cache=cfg.engine.kv_cache)
+    return ENGINES[cfg.engine.sampler](
+        smp, tok, noise, cfg.engine.kv_cache, cfg.engine.ct2.compute_type
+    )
 
 
 @torch.no_grad()
@@ -325,6 +328,12 @@ def validate(cfg: DictConfig) -> None:
         if not ok:
             raise bad(key, value, valid)
     check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
+    injected = [n["name"] for n in [cfg.noise, *cfg.extra_noise] if n["name"] != "none"]
+    check_sampler(cfg.engine.sampler, cfg.engine.ct2.compute_type, injected,
+                  cfg.engine.sampler_dtype)  # fmt: skip
+    if cfg.engine.sampler == "ct2" and cfg.drivers.beta_growth != 1.0:
+        raise bad("drivers.beta_growth", cfg.drivers.beta_growth, "1.0 with engine.sampler=ct2 "
+                  "(its β is the engine's own, not a σ that can grow)")  # fmt: skip
     if cfg.drivers.harder_at:  # the harder task's kwargs against the task's builder
         if not cfg.drivers.harder:
             raise bad("drivers.harder", {}, "the task kwargs that make it harder, e.g. "

@@ -372,6 +372,11 @@ def test_checkpoints_hold_only_tensors_and_plain_containers(tmp_path):
         ("model.spec=smollm3", "model.spec"),
         ("task=jsonl", "task.path"),
         ("objective.eps_hgh=0.3", "eps_hgh"),
+        ("engine.sampler=vllm", "engine.sampler"),
+        ("engine.sampler=ct2 engine.ct2.compute_type=fp8", "engine.ct2.compute_type"),
+        ("engine.sampler=ct2 noise=logit", "noise=none"),
+        ("engine.sampler=ct2 engine.sampler_dtype=bf16", "engine.sampler_dtype"),
+        ("engine.sampler=ct2 drivers.beta_growth=2", "drivers.beta_growth"),
     ],
 )
 def test_every_check_runs_before_any_model_is_built(tmp_path, monkeypatch, override, key):
@@ -383,7 +388,7 @@ def test_every_check_runs_before_any_model_is_built(tmp_path, monkeypatch, overr
         raise AssertionError("a model was built before the config was checked")
 
     monkeypatch.setattr(train, "build_task_and_model", no_build)
-    cfg = _cfg(tmp_path, "model=task-model", override, "steps=1")
+    cfg = _cfg(tmp_path, "model=task-model", *override.split(), "steps=1")
     t0 = time.time()
     with pytest.raises((ValueError, TypeError, KeyError)) as e:
         train.run(cfg)
