@@ -149,12 +149,13 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
     out.update(diff=pt["diff"], ci_lo=pt["ci_lo"], ci_hi=pt["ci_hi"])
     if ep["test"] == "tost":
         eq = tost(x, y, ep["margin"], ALPHA)
-        out.update(stat=f"TOST ±{ep['margin']}; paired t = {pt['t']:.2f}", p=eq["p"],
-                   ci_lo=eq["ci_lo"], ci_hi=eq["ci_hi"], p_difference=pt["p"])  # fmt: skip
+        stat = f"TOST ±{ep['margin']}; paired t = {pt['t']:.2f} (p = {pt['p']:.2g})"
+        out.update(stat=stat, p=eq["p"], ci_lo=eq["ci_lo"], ci_hi=eq["ci_hi"],
+                   p_difference=pt["p"])  # fmt: skip
         if eq["p"] < ALPHA:
             out["verdict"] = f"not reproduced: equivalent within ±{ep['margin']}"
-        elif pt["p"] < ALPHA and sign * pt["diff"] > 0:
-            out["verdict"] = "reproduced"
+        elif pt["p"] < ALPHA:  # the paired t resolves a difference: in which direction
+            out["verdict"] = "reproduced" if sign * pt["diff"] > 0 else "opposite to the prediction"
         else:
             out["verdict"] = "not resolved: neither equivalent nor different"
         return out

@@ -85,6 +85,9 @@ def draw(root, dose: str) -> None:
         for _, r in p.iterrows():
             if pd.notna(r.get("p")):
                 text = f"p={r.p:.2g} {stars(r.p)}\nn={r.pairs}"
+                if spec["test"] == "tost":  # equivalence, and whether a difference resolved
+                    d = r.p_difference
+                    text = f"TOST p={r.p:.2g}\nΔ≠0 p={d:.2g} {stars(d)}\nn={r.pairs}"
                 ax.annotate(text, (r.sigma, r.ci_hi), textcoords="offset points", xytext=(0, 4),
                             ha="center", fontsize=7)  # fmt: skip
         ci = "90%" if spec["test"] == "tost" else "95%"

@@ -113,6 +113,8 @@ def test_verdicts_follow_the_registered_test_and_direction():
     tost_ep = {**ep, "test": "tost", "margin": 0.5}
     assert run_endpoint(same, tost_ep, "T", "C")["verdict"].startswith("not reproduced: equiv")
     assert run_endpoint(vals, tost_ep, "T", "C")["verdict"] == "reproduced"
+    opposite = {**tost_ep, "predicted": "less"}  # a resolved difference the other way
+    assert run_endpoint(vals, opposite, "T", "C")["verdict"] == "opposite to the prediction"
     none = endpoint_values(_summary({(a, s): [0] * 4 for a in "TC" for s in range(3)}),
                            {"metric": "m", "reduce": "final_any"})  # fmt: skip
     fisher = run_endpoint(none, {**ep, "test": "fisher", "reduce": "final_any"}, "T", "C")
