@@ -22,7 +22,11 @@ from harness.objectives import AGGREGATIONS, OBJECTIVES
 from harness.tasks import TASKS
 
 EXP = Path(__file__).resolve().parents[1] / "experiments"
-MEASURE_PRESETS = {"noise_anatomy", "snr_table"}  # run with harness.measure, not harness.train
+MEASURE_PRESETS = {
+    "noise_anatomy",
+    "snr_table",
+    "real_engine_beta",
+}  # run with harness.measure, not harness.train
 MODEL_SPECS = {"task-model", "smollm2-135m", "tiny-llama", "tiny-moe"}  # ModelCfg.spec names
 PRESETS = sorted(p.stem for p in (EXP / "experiment").glob("*.yaml"))
 GROUPS = {
@@ -80,6 +84,7 @@ def test_every_preset_exists():
         "fp8_full_pipeline",
         "nsr_dose",
         "cis_dose",
+        "real_engine_beta",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")

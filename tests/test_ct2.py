@@ -195,3 +195,23 @@ def test_training_with_ct2_as_the_sampler(tmp_path, ct2_cache):
     for m in ms:
         assert abs(m["identity/mean_ratio"] - 1) < 0.05 and m["identity/ok"] == 1.0
         assert m["dial/mean_abs_delta"] > 1e-4  # int8 β, not zero
+
+
+def test_measure_with_ct2_as_the_sampler(tmp_path, ct2_cache):
+    """The measurement job with μ = CTranslate2: float32 β is kernel rounding (≤ 1e-5), int8 β is
+    real and the identity check holds; injected noise with ct2 is refused before compute."""
+    from test_measure import TINY
+    from test_measure import _cfg as measure_cfg
+
+    from harness import measure
+
+    f32 = measure.run(measure_cfg(tmp_path / "f32", *TINY, "noise=none", "alpha.mode=none",
+                                  "engine.sampler=ct2"))  # fmt: skip
+    assert f32["table7"]["cal"]["max_abs_delta"] <= 1e-5 and f32["sampler"] == "ct2"
+    assert f32["label"].startswith("CTranslate2 float32")
+    i8 = measure.run(measure_cfg(tmp_path / "i8", *TINY, "noise=none", "alpha.mode=none",
+                                 "engine.sampler=ct2", "engine.ct2.compute_type=int8"))  # fmt: skip
+    assert i8["table7"]["cal"]["mean_abs_delta"] > 1e-4
+    assert abs(i8["identity_mean_ratio"]["cal"] - 1) < 0.05
+    with pytest.raises(ValueError, match="sampler_noise=\\[\\]"):
+        measure.run(measure_cfg(tmp_path / "bad", *TINY, "engine.sampler=ct2"))
