@@ -204,6 +204,8 @@ class DeltaStats:
         self.hist_n = np.zeros(nb * S)  # [bin, bucket] flattened
         self.hist_m = np.zeros(nb * S)  # Σ|Δ| per bucket
         self.gate_n, self.gate_sum, self.gate_sqrt = np.zeros(nb), np.zeros(nb), np.zeros(nb)
+        # |logit p − logit q| per bin (CIS's displacement ε; needs q): Σ and count
+        self.eps_n, self.eps_sum = np.zeros(nb), np.zeros(nb)
         self.corr = BinnedMoments(1, 2)  # (conf, |Δ|)
         self.q_n, self.q_m, self.q_out = np.zeros(S), np.zeros(S), np.zeros(S)
         self.s = dict.fromkeys(
@@ -260,6 +262,11 @@ class DeltaStats:
             self.gate_n += np.bincount(b, minlength=nb)
             self.gate_sum += np.bincount(b, gate, nb)
             self.gate_sqrt += np.bincount(b, np.sqrt(np.clip(gate, 0, None)), nb)
+        if q is not None:  # ε = Δ − log(1 − p) + log(1 − q), clipped away from p, q = 1
+            tiny = 1e-12
+            eps = d - np.log(np.clip(1 - conf, tiny, None)) + np.log(np.clip(1 - q, tiny, None))
+            self.eps_n += np.bincount(b, minlength=nb)
+            self.eps_sum += np.bincount(b, np.abs(eps), nb)
         lo, hi = np.log(self.band[0]), np.log(self.band[1])
         out = (d < lo) | (d > hi)
         qi = self.lb.index(conf if q is None else q)
@@ -396,7 +403,8 @@ class DeltaStats:
         return out
 
     def per_bin(self) -> pd.DataFrame:
-        """Per confidence bin: n, mean and var of Δ, mean |Δ|, and the logit-noise gate means."""
+        """Per confidence bin: n, mean and var of Δ, mean |Δ|, the logit-noise gate means and
+        the mean log-odds displacement |logit p − logit q| (CIS's ε; NaN without q)."""
         m = self.hist_m.reshape(self.n_bins, -1).sum(1)
         n = self.moments.n
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -411,6 +419,7 @@ class DeltaStats:
                     "mass_share": m / max(m.sum(), 1e-300),
                     "gate_mean": self.gate_sum / self.gate_n,
                     "gate_sqrt_mean": self.gate_sqrt / self.gate_n,
+                    "mean_abs_logit_disp": self.eps_sum / self.eps_n,
                 }
             )
 

@@ -185,3 +185,16 @@ def test_shrink_kwargs_feed_snr_shrink():
     assert 0.6 < kw["lam"][0] < 0.9 and kw["lower"][0] < 1 < kw["upper"][0]
     obj = build_objective("snr_shrink", **kw)
     assert obj.lam.shape == (7,)
+
+
+def test_logit_displacement_per_bin_by_hand():
+    """CIS's ε = logit p − logit q per confidence bin, from (Δ = log p − log q, p, q)."""
+    p = np.array([0.05, 0.2, 0.6, 0.95, 0.97])
+    q = np.array([0.1, 0.1, 0.5, 0.9, 0.99])
+    d = np.log(p) - np.log(q)
+    st = DeltaStats(edges=[0.0, 0.5, 1.0]).add(d, p, q=q)
+    logit = lambda x: np.log(x / (1 - x))  # noqa: E731
+    eps = np.abs(logit(p) - logit(q))
+    got = st.per_bin().mean_abs_logit_disp.to_numpy()
+    assert got == pytest.approx([eps[:2].mean(), eps[2:].mean()], rel=1e-12)
+    assert np.isnan(DeltaStats(edges=[0.0, 1.0]).add(d, p).per_bin().mean_abs_logit_disp[0])
