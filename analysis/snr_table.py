@@ -1,6 +1,7 @@
 """Figure 2 (SNR post): per confidence bin, the three-job bounds [l, u] on the weight, with the
 noise (β quantiles), signal (e^{±2σ_α}) and ESS candidates; right: estimated vs true SNR per
-bin (ground truth from the harness), one colour per run.
+bin (ground truth from the harness), the estimate with its 95% interval (sequence bootstrap of
+both passes), one colour per run.
 
     python -m analysis.snr_table [results/snr_table]
 """
@@ -45,10 +46,16 @@ def main(root: str | Path = RESULTS / "snr_table") -> Path | None:
     )
     ax.legend(fontsize=7)
     for i, (label, d) in enumerate(truth.groupby("label", sort=False)):
+        who = f"{label}: " if truth.label.nunique() > 1 else ""
+        xs = np.arange(len(d)) + 0.08 * i
         for col, style, what in (("snr_est", "o-", "estimated"), ("snr_true", "s--", "true")):
             y = d[col].clip(lower=FLOOR)
-            who = f"{label}: " if truth.label.nunique() > 1 else ""
-            bx.plot(np.arange(len(d)), y, style, color=f"C{i}", label=f"{who}{what}")
+            bx.plot(xs, y, style, color=f"C{i}", label=f"{who}{what}")
+        if "snr_est_lo" in d and d.snr_est_lo.notna().any():  # the estimate's 95% interval
+            y = d.snr_est.clip(lower=FLOOR)
+            lo, hi = d.snr_est_lo.clip(lower=FLOOR), d.snr_est_hi.clip(lower=FLOOR)
+            bx.errorbar(xs, y, yerr=[y - lo, hi - y], fmt="none", ecolor=f"C{i}", capsize=3,
+                        alpha=0.6)  # fmt: skip
         bx.set_xticks(np.arange(len(d)), bin_labels(d), rotation=30)
     bx.set(
         yscale="log",

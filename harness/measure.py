@@ -49,7 +49,7 @@ from harness.launch import run_task
 from harness.models import load_model, resolve_dtype, weights_sha
 from harness.noise import NOISE, build_noise, layer_amplification
 from harness.objectives import build_objective
-from harness.snr import TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
+from harness.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
 from harness.step import Sampling, collect, update
 
 BOUND_COLUMNS = ["l_noise", "u_noise", "l_signal", "u_signal", "l_ess", "u_ess", "lower", "upper"]
@@ -234,11 +234,23 @@ def truth_table(split: SNRSplit, truth: BinnedMoments) -> pd.DataFrame:
                 "var_alpha_est": est.var_alpha,
                 "var_alpha_true": var_a,
                 "snr_est": est.snr,
+                "snr_est_lo": est.get("snr_lo", np.nan),  # 95% interval (sequence bootstrap)
+                "snr_est_hi": est.get("snr_hi", np.nan),
                 "snr_true": snr_true,
                 "snr_ratio": est.snr / snr_true,
                 "lam_est": est.lam,
                 "lam_true": var_a / (var_a + var_b),
                 "corr_alpha_beta": truth.corr(0, 1),
+                # is the true value inside the procedure's 95% interval (NaN: no interval)
+                **{
+                    f"{k}_covered": np.where(
+                        np.isfinite(est[f"{k}_lo"]) & np.isfinite(t),
+                        (est[f"{k}_lo"] <= t) & (t <= est[f"{k}_hi"]),
+                        np.nan,
+                    )
+                    for k, t in (("var_beta", var_b), ("var_alpha", var_a), ("snr", snr_true))
+                    if f"{k}_lo" in est
+                },  # fmt: skip
             }
         )
 
@@ -320,7 +332,7 @@ def tables_text(report: dict) -> str:
         fmt_table(report["table3"]),
         "",
         "Table 6 — per-bin SNR split, with the three-job bounds (Figure 2)",
-        fmt_table(t6[TABLE6_COLUMNS]),
+        fmt_table(t6[[c for c in (*TABLE6_COLUMNS, *CI_COLUMNS) if c in t6]]),
         "",
         fmt_table(t6[["bin_lo", "bin_hi", *BOUND_COLUMNS]]),
         "",

@@ -13,7 +13,8 @@ memory is independent of the token count:
 Public API
   snr_split(delta_cal, conf_cal, delta_live, conf_live, edges=CONF_EDGES) -> DataFrame
       bin_lo, bin_hi, n_cal, n_live, var_beta, var_r, var_alpha, snr, lam   (Table 6)
-  SNRSplit(edges): streaming add_cal / add_live, .table(), .bounds(...) (Figure 2)
+  SNRSplit(edges): streaming add_cal / add_live, .table() (with 95% intervals from a
+      sequence-level Poisson bootstrap of each pass, `SeqBootstrap`), .bounds(...) (Figure 2)
   DeltaStats(edges): one stream; .anatomy() (Table 3), .dials() (Table 7), .per_bin()
   BinnedMoments(n_bins, k): per-bin means and co-moments of k variables (ground truth α, β)
   shrink_kwargs(table, bounds) -> kwargs of build_objective("snr_shrink", ...)
@@ -35,6 +36,7 @@ Sequence-level ESS (product or geometric-mean weights) is reported as a dial, no
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,6 +55,8 @@ TABLE6_COLUMNS = [
     "snr",
     "lam",
 ]
+# SNRSplit.table's intervals (percentile, sequence bootstrap), after TABLE6_COLUMNS
+CI_COLUMNS = [f"{k}_{e}" for k in ("var_beta", "var_alpha", "snr", "lam") for e in ("lo", "hi")]
 CHUNK = 1 << 20
 
 
@@ -114,6 +118,33 @@ class BinnedMoments:
 
 
 # --- log-spaced histograms -----------------------------------------------------------------------
+
+
+class SeqBootstrap:
+    """Per-bin variance of Δ under a streaming Poisson bootstrap over sequences: each sequence
+    draws B independent Poisson(1) weights and its tokens carry them, so replicate j's weighted
+    per-bin count, Σx and Σx² accumulate as the tokens arrive (memory 3·B·n_bins). Sequences are
+    the resampling unit because tokens within one are correlated. Seeded: the same tokens give
+    the same intervals."""
+
+    def __init__(self, n_bins: int, B: int = 200, seed: int = 0):
+        self.B, self.n_bins = B, n_bins
+        self.rng = np.random.default_rng(seed)
+        self.acc = np.zeros((3, B, n_bins))
+
+    def add(self, b: np.ndarray, x: np.ndarray, seq: np.ndarray) -> None:
+        seq = np.unique(seq, return_inverse=True)[1]
+        w = self.rng.poisson(1.0, (self.B, int(seq.max()) + 1)).astype(np.float64)[:, seq]
+        flat = (np.arange(self.B)[:, None] * self.n_bins + b[None, :]).ravel()
+        size = self.B * self.n_bins
+        for k, v in enumerate((np.ones_like(x), x, x * x)):
+            self.acc[k] += np.bincount(flat, (w * v).ravel(), size).reshape(self.B, -1)
+
+    def var(self) -> np.ndarray:
+        """[B, n_bins]: each replicate's per-bin variance (weights as frequencies, ddof 1)."""
+        n, s1, s2 = self.acc
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(n > 1, (s2 - s1 * s1 / n) / (n - 1), np.nan)
 
 
 class LogBuckets:
@@ -193,6 +224,8 @@ class DeltaStats:
         low_conf: float = 0.3,
         fork_frac: float = 0.2,
         buckets: LogBuckets | None = None,
+        boot: int = 200,
+        boot_seed: int = 0,
     ):
         self.edges = [float(e) for e in edges]
         self.n_bins = len(self.edges) - 1
@@ -201,6 +234,7 @@ class DeltaStats:
         self.lb = buckets or LogBuckets()
         nb, S = self.n_bins, self.lb.size
         self.moments = BinnedMoments(nb, 1)
+        self.boot = SeqBootstrap(nb, boot, boot_seed) if boot else None  # needs `seq`
         self.hist_n = np.zeros(nb * S)  # [bin, bucket] flattened
         self.hist_m = np.zeros(nb * S)  # Σ|Δ| per bucket
         self.gate_n, self.gate_sum, self.gate_sqrt = np.zeros(nb), np.zeros(nb), np.zeros(nb)
@@ -244,7 +278,10 @@ class DeltaStats:
                 None if gate is None else np.asarray(gate, dtype=np.float64).ravel()[sl],
             )
         if seq is not None:
-            self._add_seq(delta, np.asarray(seq).ravel())
+            seq = np.asarray(seq).ravel()
+            self._add_seq(delta, seq)
+            if self.boot is not None and len(delta):
+                self.boot.add(bin_index(conf, self.edges), delta, seq)
         return self
 
     def _add(self, d, conf, q, gate) -> None:
@@ -475,8 +512,8 @@ class SNRSplit:
 
     def __init__(self, edges: Sequence[float] = CONF_EDGES, **stats_kw):
         self.edges = [float(e) for e in edges]
-        self.cal = DeltaStats(self.edges, **stats_kw)
-        self.live = DeltaStats(self.edges, **stats_kw)
+        self.cal = DeltaStats(self.edges, boot_seed=0, **stats_kw)
+        self.live = DeltaStats(self.edges, boot_seed=1, **stats_kw)
 
     def add_cal(self, delta, conf, **kw) -> SNRSplit:
         self.cal.add(delta, conf, **kw)
@@ -486,8 +523,26 @@ class SNRSplit:
         self.live.add(delta, conf, **kw)
         return self
 
-    def table(self) -> pd.DataFrame:
-        return split_table(self.cal.moments, self.live.moments, self.edges)
+    def table(self, level: float = 0.95) -> pd.DataFrame:
+        """Table 6, with percentile intervals (`level`) of Var_β, Var_α, SNR and λ from the two
+        passes' sequence bootstraps (independent: the passes are different rollouts); NaN when
+        a bin has too few replicates; absent when no tokens came with sequence ids."""
+        df = split_table(self.cal.moments, self.live.moments, self.edges)
+        boots = (self.cal.boot, self.live.boot)
+        if any(b is None for b in boots) or not any(b.acc[0].any() for b in boots):
+            return df
+        vb, vr = self.cal.boot.var(), self.live.boot.var()
+        va = np.where(np.isnan(vr) | np.isnan(vb), np.nan, np.maximum(vr - vb, 0.0))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            reps = {"var_beta": vb, "var_alpha": va, "snr": va / vb, "lam": va / (va + vb)}
+        q = [50 * (1 - level), 50 * (1 + level)]
+        for name, r in reps.items():
+            ok = np.isfinite(r).sum(0) >= 0.9 * r.shape[0]  # most replicates defined
+            with np.errstate(invalid="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN bins
+                lo, hi = np.nanpercentile(r, q, axis=0)
+            df[f"{name}_lo"], df[f"{name}_hi"] = np.where(ok, lo, np.nan), np.where(ok, hi, np.nan)
+        return df
 
     def bounds(
         self,

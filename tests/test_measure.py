@@ -82,6 +82,11 @@ def test_measure_tiny_perturb_ground_truth(tmp_path):
     truth = pd.read_csv(tmp_path / "truth.csv")
     full = truth[truth.n_live > 20]
     assert (full.var_alpha_true > 0).all() and (full.var_beta_true > 0).all()
+    assert {"var_beta_lo", "var_beta_hi", "snr_lo", "snr_hi", "lam_lo", "lam_hi"} <= set(t6)
+    ok = t6.var_beta_lo.notna()
+    assert ok.any() and (t6.var_beta_lo[ok] <= t6.var_beta[ok]).all()
+    assert (t6.var_beta[ok] <= t6.var_beta_hi[ok]).all()
+    assert set(truth.snr_covered.dropna().unique()) <= {0.0, 1.0}
     kw = json.loads((tmp_path / "snr_shrink.json").read_text())
     build_objective("snr_shrink", **kw)  # Table 6 / Figure 2 feed the objective directly
     amp = pd.read_csv(tmp_path / "layer_amplification.csv")
