@@ -4,6 +4,9 @@ bin (ground truth from the harness), the estimate with its 95% interval (sequenc
 both passes), one colour per run.
 
     python -m analysis.snr_table [results/snr_table]
+
+With several runs under the folder it also writes coverage.csv: per bin, the share of runs whose
+95% interval (Var β, Var α, SNR) holds the true value.
 """
 
 from __future__ import annotations
@@ -13,16 +16,41 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 
 from analysis.common import RESULTS, bin_labels, load_runs, savefig, set_theme
+from harness.io import write_text_atomic
 
 FLOOR = 1e-3  # SNR = 0 (Var_r ≤ Var_β) is drawn here on the log axis
+
+
+def coverage(truth: pd.DataFrame) -> pd.DataFrame:
+    """Per confidence bin, over the runs: how many had a 95% interval, and the share of those
+    whose interval holds the true value (the harness's α and β of every live token)."""
+    cols = [c for c in ("var_beta", "var_alpha", "snr") if f"{c}_covered" in truth]
+    rows = []
+    for (lo, hi), d in truth.groupby(["bin_lo", "bin_hi"], sort=True):
+        row = {
+            "bin_lo": lo,
+            "bin_hi": hi,
+            "runs": d.run.nunique(),
+            "n_live_median": d.n_live.median(),
+        }
+        for c in cols:
+            v = d[f"{c}_covered"].dropna()
+            row |= {f"{c}_runs": len(v), f"{c}_coverage": v.mean() if len(v) else np.nan}
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def main(root: str | Path = RESULTS / "snr_table") -> Path | None:
     t6, truth = load_runs(root, "table6.csv"), load_runs(root, "truth.csv")
     if t6.empty:
         return None
+    if truth.run.nunique() > 1 and any(c.endswith("_covered") for c in truth):
+        cov = coverage(truth)
+        write_text_atomic(Path(root) / "coverage.csv", cov.to_csv(index=False, float_format="%.4g"))
+        print(cov.to_string(index=False))
     set_theme()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
     first = t6[t6.run == t6.run.iloc[0]]
