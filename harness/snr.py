@@ -440,8 +440,9 @@ class DeltaStats:
         return out
 
     def per_bin(self) -> pd.DataFrame:
-        """Per confidence bin: n, mean and var of Δ, mean |Δ|, the logit-noise gate means and
-        the mean log-odds displacement |logit p − logit q| (CIS's ε; NaN without q)."""
+        """Per confidence bin: n, mean and var of Δ, mean |Δ| and its p50 / p90 / p99, the
+        logit-noise gate means and the mean log-odds displacement |logit p − logit q| (CIS's ε;
+        NaN without q)."""
         m = self.hist_m.reshape(self.n_bins, -1).sum(1)
         n = self.moments.n
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -457,6 +458,13 @@ class DeltaStats:
                     "gate_mean": self.gate_sum / self.gate_n,
                     "gate_sqrt_mean": self.gate_sqrt / self.gate_n,
                     "mean_abs_logit_disp": self.eps_sum / self.eps_n,
+                    # |Δ| quantiles per bin (streaming histogram; NaN in an empty bin)
+                    **{
+                        f"abs_delta_p{round(100 * q)}": [
+                            float(self.quantile(q, b, absolute=True)[0]) for b in range(self.n_bins)
+                        ]
+                        for q in (0.5, 0.9, 0.99)
+                    },
                 }
             )
 

@@ -199,6 +199,8 @@ def test_logit_displacement_per_bin_by_hand():
     got = st.per_bin().mean_abs_logit_disp.to_numpy()
     assert got == pytest.approx([eps[:2].mean(), eps[2:].mean()], rel=1e-12)
     assert np.isnan(DeltaStats(edges=[0.0, 1.0]).add(d, p).per_bin().mean_abs_logit_disp[0])
+    med = st.per_bin().abs_delta_p50.to_numpy()  # numpy's median of |Δ| per bin, within 1%
+    assert med == pytest.approx([np.median(np.abs(d[:2])), np.median(np.abs(d[2:]))], rel=0.01)
 
 
 def test_sequence_bootstrap_matches_the_analytic_standard_error():
