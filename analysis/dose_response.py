@@ -11,6 +11,8 @@ The endpoints' specs are the dose preset's prereg.yaml, applied to every σ.
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 import pandas as pd
 import yaml
@@ -103,10 +105,9 @@ def draw(root, dose: str) -> None:
            ylabel="fraction of tokens", ylim=(0, None))  # fmt: skip
     ax.legend(fontsize=8)
     n = df.groupby(["sigma", "arm"]).seed.nunique().groupby("sigma").min()
-    fig.suptitle(
-        f"{prereg['claim']} ({prereg['source']}): countdown task model; seeds per σ "
-        + ", ".join(f"{s:g}: {k}" for s, k in n.items())
-    )
+    title = (f"{prereg['claim']} ({prereg['source']}): countdown task model; seeds per σ "
+             + ", ".join(f"{s:g}: {k}" for s, k in n.items()))  # fmt: skip
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)))
     savefig(fig, root / dose / f"fig_{dose}")
 
 
