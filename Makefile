@@ -57,6 +57,7 @@ bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~90 mi
 figures: $(STAMP)  ## every figure and the claims table from the committed CSVs under results/ (< 2 min)
 	$(PY) -m analysis.noise_anatomy results/measure
 	$(PY) -m analysis.snr_table results/measure
+	$(PY) -m analysis.snr_table results/snr_table  # 9 runs: Figure 2 with intervals, coverage.csv
 	$(PY) -m analysis.layer_amplification results/measure
 	$(PY) -m analysis.collapse_reject_vs_clamp
 	$(PY) -m analysis.collapse_drivers

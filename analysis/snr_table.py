@@ -73,23 +73,30 @@ def main(root: str | Path = RESULTS / "snr_table") -> Path | None:
         title=f"Fig. 2: three-job bounds, {first.label.iloc[0].split(' | ')[0]}",
     )
     ax.legend(fontsize=7)
-    for i, (label, d) in enumerate(truth.groupby("label", sort=False)):
-        who = f"{label}: " if truth.label.nunique() > 1 else ""
-        xs = np.arange(len(d)) + 0.08 * i
+    # one colour per β model (the label's noise name), one line per run (seeds alike)
+    kind = truth.label.str.split(" | ", regex=False).str[0].str.split("(").str[0]
+    kinds, runs = list(dict.fromkeys(kind)), list(dict.fromkeys(truth.run))
+    step = min(0.08, 0.6 / len(runs))
+    for j, run in enumerate(runs):
+        d = truth[truth.run == run]
+        k = kind[d.index[0]]
+        i, first = kinds.index(k), run == truth.run[kind == k].iloc[0]
+        xs = np.arange(len(d)) + (j - (len(runs) - 1) / 2) * step
+        who = f"{k}: " if len(kinds) > 1 else ""
         for col, style, what in (("snr_est", "o-", "estimated"), ("snr_true", "s--", "true")):
-            y = d[col].clip(lower=FLOOR)
-            bx.plot(xs, y, style, color=f"C{i}", label=f"{who}{what}")
+            bx.plot(xs, d[col].clip(lower=FLOOR), style, color=f"C{i}", ms=4,
+                    label=f"{who}{what}" if first else None)  # fmt: skip
         if "snr_est_lo" in d and d.snr_est_lo.notna().any():  # the estimate's 95% interval
             y = d.snr_est.clip(lower=FLOOR)
             lo, hi = d.snr_est_lo.clip(lower=FLOOR), d.snr_est_hi.clip(lower=FLOOR)
-            bx.errorbar(xs, y, yerr=[y - lo, hi - y], fmt="none", ecolor=f"C{i}", capsize=3,
-                        alpha=0.6)  # fmt: skip
+            bx.errorbar(xs, y, yerr=[y - lo, hi - y], fmt="none", ecolor=f"C{i}", capsize=2,
+                        alpha=0.5)  # fmt: skip
         bx.set_xticks(np.arange(len(d)), bin_labels(d), rotation=30)
     bx.set(
         yscale="log",
         xlabel="trainer confidence p_t (bin)",
         ylabel=f"SNR = Var_α/Var_β (0 drawn at {FLOOR:g})",
-        title="SNR per bin: procedure vs ground truth",
+        title=f"SNR per bin: procedure vs ground truth ({len(runs)} runs)",
     )
     bx.legend(fontsize=7)
     return savefig(fig, Path(root) / "fig2_snr_table")
