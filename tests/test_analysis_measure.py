@@ -81,3 +81,18 @@ def test_coverage_counts_runs_whose_interval_holds_the_truth():
     cov = snr_table.coverage(truth)
     assert cov.snr_coverage.tolist() == [pytest.approx(2 / 3), 1.0]
     assert cov.snr_runs.tolist() == [3, 2] and cov.n_live_median.tolist() == [20, 5]
+
+
+def test_real_engine_comparison_table_and_figure(results, tmp_path):
+    from analysis import real_engine_beta
+
+    other = tmp_path / "measure"
+    write_run(other, "logit", 0.3, 2)
+    png = real_engine_beta.main([str(results), "--compare", str(other)])
+    assert png.exists() and png.stat().st_size > 10_000
+    table = pd.read_csv(results / "comparison.csv")
+    assert len(table) == 3
+    t3 = pd.read_csv(other / "table3.csv").set_index("stat").value
+    row = table[table.run == str(other / ".")].iloc[0]
+    assert row["median/mean"] == pytest.approx(t3["median"] / t3["mean"], rel=1e-3)
+    assert (table.logit_disp_range > 0).all()
