@@ -44,13 +44,15 @@ def require_ct2():
     return ctranslate2
 
 
-def convert(model: torch.nn.Module, tokenizer, root: str | Path | None = None) -> Path:
-    """The CTranslate2 folder of `model`'s current weights, `root`/<weights checksum> (default
-    root: the ratiolab cache's ct2/). Converted once: into a temp folder beside it, then renamed,
-    so an interrupted conversion leaves no folder under the final name."""
+def convert(
+    model: torch.nn.Module, tokenizer, root: str | Path | None = None, sha: str | None = None
+) -> Path:
+    """The CTranslate2 folder of `model`'s current weights, `root`/<weights checksum `sha`>
+    (default root: the ratiolab cache's ct2/). Converted once: into a temp folder beside it,
+    then renamed, so an interrupted conversion leaves no folder under the final name."""
     ct2 = require_ct2()
     root = Path(root) if root is not None else cache_dir() / "ct2"
-    dest = root / weights_sha(model)
+    dest = root / (sha or weights_sha(model))
     if dest.is_dir():
         return dest
     root.mkdir(parents=True, exist_ok=True)
@@ -116,9 +118,11 @@ class Ct2Engine:
         """Weight sync: the new weights are converted (nothing to do when unchanged)."""
         t = time.perf_counter()
         copy_weights(self.model, state)
-        old, self.path = self.path, convert(self.model, self.tokenizer, self._syncs)
-        if old != self.path and old.parent == self._syncs:
-            shutil.rmtree(old, ignore_errors=True)
+        sha = weights_sha(self.model)
+        if sha != self.path.name:
+            old, self.path = self.path, convert(self.model, self.tokenizer, self._syncs, sha)
+            if old.parent == self._syncs:
+                shutil.rmtree(old, ignore_errors=True)
         self.sync_s.append(time.perf_counter() - t)
 
     @torch.no_grad()

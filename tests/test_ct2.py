@@ -98,11 +98,13 @@ def test_weight_sync_reconverts_and_keeps_one_folder(tiny_llama, ct2_cache):
     eng = Ct2Engine(copy.deepcopy(model), tok)
     first = eng.path
     assert first.parent == ct2_cache and first.name == weights_sha(model)
+    eng.load_weights_from_state(model.state_dict())  # the same weights: nothing converted
+    assert eng.path == first and list(eng._syncs.iterdir()) == []
     moved = copy.deepcopy(model)
     with torch.no_grad():
         moved.lm_head.weight.mul_(3.0)
     eng.load_weights_from_state(moved.state_dict())
-    assert eng.path.name == weights_sha(moved) and len(eng.sync_s) == 1
+    assert eng.path.name == weights_sha(moved) and len(eng.sync_s) == 2
     ro = eng.generate([[5, 6, 7]], n=4, max_new_tokens=5, seed=0)
     m = ro.response_mask.bool()
     assert (Engine(moved, tok).logp(ro, stats=False)["logp"] - ro.logp_mu)[m].abs().max() < 1e-5
@@ -114,7 +116,7 @@ def test_weight_sync_reconverts_and_keeps_one_folder(tiny_llama, ct2_cache):
     assert not previous.exists() and first.exists()  # sync folders go; the cached one stays
     path = eng.path
     eng.load_weights_from_state(again.state_dict())  # unchanged: no reload
-    assert eng.path == path and len(eng.sync_s) == 3 and path.exists()
+    assert eng.path == path and len(eng.sync_s) == 4 and path.exists()
     eng.close()
     assert not path.exists()
 
