@@ -27,8 +27,8 @@ class ModelCfg:
 
 @dataclass
 class Ct2Cfg:
-    # float32: CTranslate2's kernels only (β from kernels); int8 / int8_float32: its int8
-    # weights (and activations for int8): quantisation β (harness.ct2)
+    # float32: CTranslate2's kernels only (β from kernels); int8_float32 (= int8 on CPU): int8
+    # GEMMs on int8 weights and dynamically quantised activations; int16 (harness.ct2)
     compute_type: str = "float32"
 
 

@@ -2,7 +2,7 @@
 quantisation, so β is what a real engine disagrees with the trainer on, not injected noise.
 
 The current weights are converted (transformers → CTranslate2, float32 weights; `compute_type`
-quantises them at load: float32 = kernel-only β, int8 / int8_float32 = quantisation β) into a
+quantises them at load: float32 = kernel-only β, int8_float32 / int16 = quantisation β) into a
 folder named by their checksum, written to a temp folder and renamed into place, so a folder that
 exists is complete. CTranslate2 samples with its KV cache and returns, per step, the raw logits
 of its decode path (`return_logits_vocab`); `logp_mu` is the log-prob of the sampled token under
@@ -28,7 +28,9 @@ from harness.engines import Rollout, check_request, copy_weights, encode_prompts
 from harness.logprobs import check_sampling, process_logits
 from harness.models import cache_dir, weights_sha
 
-COMPUTE_TYPES = ("float32", "int8_float32", "int8")  # CPU; int8 = int8 weights + activations
+# CPU compute types: int8_float32 = int8 GEMMs (int8 weights × dynamically quantised int8
+# activations), float32 elsewhere; `int8` resolves to the same on CPU; int16 weights and GEMMs
+COMPUTE_TYPES = ("float32", "int8_float32", "int8", "int16")
 INSTALL = "pip install -e '.[ct2]'  (or: pip install ctranslate2==4.8.5)"
 LOGITS_BYTES = 1 << 28  # per generate_batch call: rows × steps × vocab float32 logits held
 
