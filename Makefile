@@ -53,6 +53,7 @@ bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~90 mi
 	$(PY) benchmarks/bench_sweep.py --steps 60 --rounds 3
 	$(PY) benchmarks/bench_run.py --before 328f94f --steps 300
 	$(PY) benchmarks/bench_flops.py --pairs 5
+	$(PY) benchmarks/bench_ct2.py --rounds 5
 
 figures: $(STAMP)  ## every figure and the claims table from the committed CSVs under results/ (< 2 min)
 	$(PY) -m analysis.noise_anatomy results/measure
