@@ -7,7 +7,9 @@ comparison run(s): (a) mean |Δ log π| per trainer-confidence bin; (b) the CIS 
 test — the log-odds displacement ε = logit p − logit q per bin against |log k| = |Δ|: a
 confidence-invariant ε with |log k| falling toward confident bins is the premise of CIS's cap;
 (c) the SNR post's anatomy numbers (Table 3): median / mean, the top 1% of tokens' share of
-Σ|Δ|, corr(p_t, |Δ|). Writes <first folder>/comparison.csv and fig_real_engine_beta.png/.pdf.
+Σ|Δ|, corr(p_t, |Δ|). Writes comparison.csv and fig_real_engine_beta.png/.pdf into the first
+folder (or --out). The main job (`make demo`) draws it into results/measure/: its FP8 run beside
+the committed CTranslate2 runs.
 """
 
 from __future__ import annotations
@@ -59,13 +61,16 @@ def main(argv: list[str] | None = None) -> Path | None:
     p = argparse.ArgumentParser()
     p.add_argument("root", nargs="?", default=RESULTS / "real_engine_beta", type=Path)
     p.add_argument("--compare", nargs="*", default=[RESULTS / "measure"], type=Path)
+    p.add_argument("--out", type=Path, default=None, help="folder for the figure and table "
+                   "(default: the first folder)")  # fmt: skip
     a = p.parse_args(argv)
+    out = a.out or a.root
     roots = [a.root, *[c for c in a.compare if (c / "per_bin.csv").exists() or c.is_dir()]]
     if not any((r / "summary.json").exists() or list(r.glob("*/summary.json")) for r in roots):
         print(f"[real_engine_beta] no runs under {a.root}")
         return None
     bins, table = sources(roots)
-    write_text_atomic(a.root / "comparison.csv", table.to_csv(index=False, float_format="%.4g"))
+    write_text_atomic(out / "comparison.csv", table.to_csv(index=False, float_format="%.4g"))
     print(table.drop(columns=["run"]).to_string(index=False, float_format="%.4g"))
     set_theme()
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         ax.legend(fontsize=7)
     models = ", ".join(sorted({f"{m} ({s})" for m, s in zip(table.model, table.weights_sha)}))
     fig.suptitle(f"Real-engine β (CTranslate2, nothing injected) vs injected FP8 β: {models}")
-    return savefig(fig, a.root / "fig_real_engine_beta")
+    return savefig(fig, out / "fig_real_engine_beta")
 
 
 if __name__ == "__main__":

@@ -349,10 +349,21 @@ def tables_text(report: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-def draw_figures(out: Path) -> list[Path]:
-    from analysis import layer_amplification, noise_anatomy, snr_table
+REAL_ENGINE = Path(__file__).resolve().parents[1] / "results" / "real_engine_beta"
 
-    return [p for mod in (noise_anatomy, snr_table, layer_amplification) if (p := mod.main(out))]
+
+def draw_figures(out: Path, model: str) -> list[Path]:
+    """Figures 1, 2 and layer amplification of this run; on SmolLM2 also this run's β beside
+    the committed real-engine β of the same model (results/real_engine_beta/)."""
+    from analysis import layer_amplification, noise_anatomy, real_engine_beta, snr_table
+
+    paths = [p for mod in (noise_anatomy, snr_table, layer_amplification) if (p := mod.main(out))]
+    inside = REAL_ENGINE in (out.resolve(), *out.resolve().parents)  # a real-engine run itself
+    if model == "smollm2-135m" and REAL_ENGINE.is_dir() and not inside:
+        args = [str(REAL_ENGINE), "--compare", str(out), "--out", str(out)]
+        if (p := real_engine_beta.main(args)) is not None:
+            paths.append(p)
+    return paths
 
 
 # --- the job ------------------------------------------------------------------------------------
@@ -533,7 +544,7 @@ def run(cfg: DictConfig) -> dict:
     report["summary"]["timings"] = {k: round(v, 1) for k, v in timings.items()}
     write_report(out, report)
     if cfg.figures:
-        for p in draw_figures(out):
+        for p in draw_figures(out, spec):
             print(f"[measure] wrote {p}")
     print(f"[measure] wrote {out}/ ({time.time() - t_start:.0f} s)", flush=True)
     return report["summary"]

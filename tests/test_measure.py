@@ -121,8 +121,15 @@ def test_measure_smollm2_fp8_default_small(tmp_path):
     assert s["truth_max_abs_err"] < 1e-4
     truth = pd.read_csv(tmp_path / "truth.csv")
     assert {"snr_est", "snr_true"} <= set(truth.columns)
-    for f in ("fig1_noise_anatomy.png", "fig2_snr_table.png", "fig_layer_amplification.png"):
+    for f in (
+        "fig1_noise_anatomy.png",
+        "fig2_snr_table.png",
+        "fig_layer_amplification.png",
+        "fig_real_engine_beta.png",
+    ):  # the last: this run beside the CTranslate2 runs
         assert (tmp_path / f).exists()
+    sources = pd.read_csv(tmp_path / "comparison.csv").source
+    assert sources.str.startswith("CTranslate2").sum() >= 2 and sources.str.startswith("fp8").any()
 
 
 def test_measure_refuses_to_overwrite_committed_results(tmp_path):
