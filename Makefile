@@ -60,6 +60,8 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.snr_table results/measure
 	$(PY) -m analysis.snr_table results/snr_table  # 9 runs: Figure 2 with intervals, coverage.csv
 	$(PY) -m analysis.layer_amplification results/measure
+	$(PY) -m analysis.real_engine_beta  # CTranslate2 β beside the injected β (results/real_engine_beta/)
+	$(PY) -m analysis.real_engine_beta --compare results/measure --out results/measure
 	$(PY) -m analysis.collapse_reject_vs_clamp
 	$(PY) -m analysis.collapse_drivers
 	$(PY) -m analysis.fp8_entropy_surge
