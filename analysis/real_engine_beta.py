@@ -29,6 +29,14 @@ SHAPE = [("median/mean", "median / mean |Δ|"), ("top1_share", "top 1% share of 
 MIN_N = 50  # bins with fewer calibration tokens are left out of the range ratios
 
 
+def repo_relative(path: Path) -> str:
+    """A run's folder as the table names it: relative to the repository when inside it, so the
+    table does not depend on where the checkout lives."""
+    path = path.resolve()
+    repo = Path(__file__).resolve().parents[1]
+    return str(path.relative_to(repo)) if path.is_relative_to(repo) else str(path)
+
+
 def sources(roots: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Calibration per-bin rows and one Table 3 row per run, labelled by its β source."""
     bins, rows = [], []
@@ -42,7 +50,7 @@ def sources(roots: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
             ok = d[d.n >= MIN_N]
             s = summary(Path(root) / run)
             rows.append({
-                "source": label, "run": str(Path(root) / run), "model": s.get("model"),
+                "source": label, "run": repo_relative(Path(root) / run), "model": s.get("model"),
                 "weights_sha": s.get("weights_sha"), "n_tokens": stats["n_tokens"],
                 "mean": stats["mean"], "median": stats["median"],
                 "median/mean": stats["median"] / stats["mean"], "p99": stats["p99"],
