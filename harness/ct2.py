@@ -25,7 +25,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from harness.engines import Rollout, check_request, copy_weights, encode_prompts, eos_ids
-from harness.logprobs import check_sampling, process_logits
+from harness.logprobs import check_sampling, kept_support, process_logits
 from harness.models import cache_dir, weights_sha
 
 # CPU compute types: int8_float32 = int8 GEMMs (int8 weights × dynamically quantised int8
@@ -44,6 +44,13 @@ def require_ct2():
             f"engine.sampler=ct2 needs CTranslate2, which is not installed here: {INSTALL}"
         ) from e
     return ctranslate2
+
+
+def check_compute_type(compute_type: str) -> None:
+    if compute_type not in COMPUTE_TYPES:
+        raise ValueError(
+            f"engine.ct2.compute_type={compute_type!r}; valid: {', '.join(COMPUTE_TYPES)}"
+        )
 
 
 def convert(
@@ -81,10 +88,7 @@ class Ct2Engine:
     def __init__(
         self, model, tokenizer, compute_type: str = "float32", cache: str | Path | None = None
     ):
-        if compute_type not in COMPUTE_TYPES:
-            raise ValueError(
-                f"engine.ct2.compute_type={compute_type!r}; valid: {', '.join(COMPUTE_TYPES)}"
-            )
+        check_compute_type(compute_type)
         self.ct2 = require_ct2()
         self.model = model.float()
         self.tokenizer = tokenizer
@@ -183,9 +187,7 @@ class Ct2Engine:
                     )
                 toks[b], mus[b] = tok, mu
                 if truncated:
-                    k = int(torch.isfinite(logp).sum(-1).max())
-                    val, idx = torch.topk(logp, k, dim=-1)
-                    sups[b] = torch.where(torch.isfinite(val), idx, -1)
+                    sups[b] = kept_support(logp)
         T = max(len(t) for t in toks)
         B = len(toks)
         response = torch.full((B, T), self.pad_id, dtype=torch.long)

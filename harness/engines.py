@@ -23,6 +23,7 @@ from harness.logprobs import (
     check_sampling,
     chunked_logp,
     chunked_stats,
+    kept_support,
     process_logits,
     replay_mask,
 )
@@ -275,10 +276,9 @@ class Engine:
             mu[live] = logp.gather(1, tok_live[:, None])[:, 0]
             mus.append(mu)
             if truncated:
-                k = int(torch.isfinite(logp).sum(-1).max())
-                val, idx = torch.topk(logp, k, dim=-1)
-                sup = torch.full((B, k), -1, dtype=torch.long)
-                sup[live] = torch.where(torch.isfinite(val), idx, -1)
+                kept = kept_support(logp)
+                sup = torch.full((B, kept.shape[1]), -1, dtype=torch.long)
+                sup[live] = kept
                 sups.append(sup)
             done = done | torch.isin(tok, self.eos_ids)
             if bool(done.all()) or step == max_new_tokens - 1:
@@ -508,12 +508,9 @@ def check_sampler(name: str, compute_type: str, noise: list[str], sampler_dtype:
         raise ValueError(f"engine.sampler={name!r}; valid: {', '.join(ENGINES)}")
     if name != "ct2":
         return
-    from harness.ct2 import COMPUTE_TYPES, require_ct2
+    from harness.ct2 import check_compute_type, require_ct2
 
-    if compute_type not in COMPUTE_TYPES:
-        raise ValueError(
-            f"engine.ct2.compute_type={compute_type!r}; valid: {', '.join(COMPUTE_TYPES)}"
-        )
+    check_compute_type(compute_type)
     if noise:
         raise ValueError(
             f"engine.sampler=ct2 with injected noise {noise}: CTranslate2's β is its own (its "

@@ -23,6 +23,14 @@ def support_mask(support: Tensor, vocab: int) -> Tensor:
     return keep[:, :vocab]
 
 
+def kept_support(logp: Tensor) -> Tensor:
+    """[N, V] processed log-probs (−inf off the support) → [N, K] kept token ids, −1 padded:
+    the support a sampler records for mask replay (the inverse of `support_mask`)."""
+    k = int(torch.isfinite(logp).sum(-1).max())
+    val, idx = torch.topk(logp, k, dim=-1)
+    return torch.where(torch.isfinite(val), idx, -1)
+
+
 def replay_mask(support: Tensor, targets: Tensor, vocab: int) -> Tensor:
     """Mask replay for B × T sampled tokens: [B, T, K] support ids → [B, T, V] bool, with each
     sampled token kept (so padding and post-EOS rows, which have no support, stay finite)."""
