@@ -35,6 +35,10 @@ class Ct2Cfg:
 @dataclass
 class EngineCfg:
     sampler: str = "hf"  # μ's inference engine: hf (this process's model) | ct2 (CTranslate2)
+    # where trainer, sampler and teacher run: auto (CUDA when available, else CPU) | cpu | cuda
+    # | cuda:N (harness.models.resolve_device)
+    device: str = "auto"
+    tf32: bool = False  # TF32 matmuls for fp32 on CUDA; off: the fp32 path is IEEE fp32 there too
     ct2: Ct2Cfg = field(default_factory=Ct2Cfg)
     sampler_dtype: str = "fp32"  # precision: the `precision` natural difference (bf16 vs fp32)
     trainer_dtype: str = "fp32"

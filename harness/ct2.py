@@ -83,7 +83,9 @@ def convert(
 class Ct2Engine:
     """The sampler μ on CTranslate2 (CPU). `model` (an HF causal LM, float32) holds the weights
     that are converted; a weight sync copies new weights into it and converts them again (the
-    cost is kept in `sync_s`). Same `generate` contract as `harness.engines.Engine`."""
+    cost is kept in `sync_s`). Same `generate` contract as `harness.engines.Engine`; the rollout
+    comes back on the device of `model`'s parameters (the trainer's). CTranslate2 itself runs on
+    the CPU even then: its CUDA build is another wheel (CUDA 12), not the project's."""
 
     def __init__(
         self, model, tokenizer, compute_type: str = "float32", cache: str | Path | None = None
@@ -96,6 +98,7 @@ class Ct2Engine:
         self.noise: list = []  # β is the engine's own: nothing is injected
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids(model)
+        self.device = next(model.parameters()).device  # where the rollout is handed over
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.sync_s: list[float] = []  # seconds per weight sync (conversion)
         self.load_s: list[float] = []  # seconds per generate call spent loading the Generator
@@ -201,13 +204,14 @@ class Ct2Engine:
             support = torch.full((B, T, K), -1, dtype=torch.long)
             for b, s in enumerate(sups):
                 support[b, : s.shape[0], : s.shape[1]] = s
+        dev = self.device
         return Rollout(
-            prompt_ids=ids,
-            prompt_mask=attn,
-            response_ids=response,
-            response_mask=mask,
-            logp_mu=logp_mu,
-            support=support,
-            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+            prompt_ids=ids.to(dev),
+            prompt_mask=attn.to(dev),
+            response_ids=response.to(dev),
+            response_mask=mask.to(dev),
+            logp_mu=logp_mu.to(dev),
+            support=None if support is None else support.to(dev),
+            prompt_index=torch.arange(len(prompts)).repeat_interleave(n).to(dev),
             temperature=temperature,
         )

@@ -90,11 +90,11 @@ class LeanDecoder:
             k[:, :, :P], v[:, :, :P] = layer.keys, layer.values
             self.keys.append(k)
             self.values.append(v)
-        self.key_mask = torch.ones(B, 1, 1, L, dtype=torch.bool)  # False: left padding
-        self.key_mask[:, 0, 0, :P] = prompt_mask.bool()
+        self.key_mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device=prompt_mask.device)
+        self.key_mask[:, 0, 0, :P] = prompt_mask.bool()  # False: left padding
         self.padded = not bool(prompt_mask.bool().all())
         # RoPE tables from the model's own rotary module (its scaling rules included)
-        pos = torch.arange(L)[None]
+        pos = torch.arange(L, device=prompt_mask.device)[None]
         cos, sin = m.rotary_emb(self.embed[:1, None], pos)
         self.cos, self.sin = cos[0], sin[0]  # [L, head_dim]
         self.pos = prompt_mask.long().sum(1) - 1  # position of the last token written, per row

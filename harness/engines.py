@@ -62,7 +62,8 @@ def sample_rows(probs: Tensor, rows: Tensor, B: int, g: torch.Generator) -> Tens
     `torch.multinomial(p, 1, generator=g)` draws them for the whole batch: argmax(p / q) with
     q ~ Exp(1) of shape [B, V] (its one-sample path), so leaving finished rows out of the batch
     changes no live row's token. Checked against torch.multinomial in tests/test_engines.py."""
-    q = torch.empty(B, probs.shape[1], dtype=probs.dtype).exponential_(1, generator=g)
+    q = torch.empty(B, probs.shape[1], dtype=probs.dtype, device=probs.device)
+    q.exponential_(1, generator=g)
     return (probs / q[rows]).argmax(-1)
 
 
@@ -94,7 +95,7 @@ def gather_rows(x: Tensor, inv: Tensor) -> Tensor:
     index_add, ~3× faster on the trainer's strided [B, heads, P, d] keys (bench: issue 15)."""
     U, B = x.shape[0], inv.shape[0]
     n = B // U
-    if B == U * n and torch.equal(inv, torch.arange(U).repeat_interleave(n)):
+    if B == U * n and torch.equal(inv, torch.arange(U, device=inv.device).repeat_interleave(n)):
         return x[:, None].expand(U, n, *x.shape[1:]).reshape(B, *x.shape[1:])
     return x.index_select(0, inv)
 
@@ -178,13 +179,15 @@ class Engine:
         self.kv_cache = kv_cache
         self.chunk = chunk
         self.pad_id = tokenizer.pad_token_id
-        self.eos_ids = eos_ids(model)
+        self.device = next(model.parameters()).device  # every tensor it makes lives here
+        self.eos_ids = eos_ids(model).to(self.device)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
 
     # --- prompts ---------------------------------------------------------------------------
 
     def encode_prompts(self, prompts: list[str] | list[list[int]]) -> tuple[Tensor, Tensor]:
-        return encode_prompts(self.tokenizer, prompts)
+        ids, mask = encode_prompts(self.tokenizer, prompts)
+        return ids.to(self.device), mask.to(self.device)
 
     # --- sampler ---------------------------------------------------------------------------
 
@@ -229,7 +232,7 @@ class Engine:
             # are repeated for its n samples (the same numbers a per-row prefill computes)
             h = prefix_hash(ids, attn)
             logits = self._next_logits(ids, attn, cache, h)
-            rep = torch.arange(ids.shape[0]).repeat_interleave(n)
+            rep = torch.arange(ids.shape[0], device=self.device).repeat_interleave(n)
             cache.reorder_cache(rep)
             logits, h, ids, attn = logits[rep], h[rep], ids[rep], attn[rep]
         else:
@@ -243,13 +246,16 @@ class Engine:
             if self._can_decode_lean()
             else None
         )
-        g = torch.Generator().manual_seed(seed)
+        # the sampler's draws come from a generator on the engine's device (CPU and CUDA streams
+        # differ: a seed fixes the draws per device, as the numerics are per device anyway)
+        g = torch.Generator(self.device).manual_seed(seed)
         truncated = top_k > 0 or top_p < 1.0
-        done = torch.zeros(B, dtype=torch.bool)
+        dev = self.device
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
         # rows still decoding: finished rows leave the decode batch when the noise allows it
         # (`_can_prune`), never below `prune_floor()` rows; the same numbers either way (the
         # sampler's random draws are made for all B rows)
-        live = torch.arange(B)
+        live = torch.arange(B, device=dev)
         prune, floor = self._can_prune(), prune_floor()
         toks, mus, masks, sups = [], [], [], []
         # the law sampled from is the raw one when T = 1 and nothing is truncated: one log-softmax
@@ -267,17 +273,17 @@ class Engine:
                     "no finite logit): the weights or the noise produced NaN/inf; not sampling"
                 )
             tok_live = sample_rows(logp.exp(), live, B, g)
-            tok = torch.full((B,), self.pad_id, dtype=torch.long)
+            tok = torch.full((B,), self.pad_id, dtype=torch.long, device=dev)
             tok[live] = tok_live
             tok = torch.where(done, self.pad_id, tok)
             toks.append(tok)
             masks.append(~done)
-            mu = torch.zeros(B, dtype=logp.dtype)
+            mu = torch.zeros(B, dtype=logp.dtype, device=dev)
             mu[live] = logp.gather(1, tok_live[:, None])[:, 0]
             mus.append(mu)
             if truncated:
                 kept = kept_support(logp)
-                sup = torch.full((B, kept.shape[1]), -1, dtype=torch.long)
+                sup = torch.full((B, kept.shape[1]), -1, dtype=torch.long, device=dev)
                 sup[live] = kept
                 sups.append(sup)
             done = done | torch.isin(tok, self.eos_ids)
@@ -296,7 +302,7 @@ class Engine:
             if lean is not None:
                 logits = lean.step(tok_live)
                 continue
-            attn = torch.cat([attn, torch.ones(len(tok_live), 1, dtype=attn.dtype)], 1)
+            attn = torch.cat([attn, attn.new_ones(len(tok_live), 1)], 1)
             ids = torch.cat([ids, tok_live[:, None]], 1)
             if cache is not None:
                 h = prefix_hash(tok_live[:, None], prev=h[:, -1])
@@ -320,7 +326,7 @@ class Engine:
             # where, not *: after EOS the pad token can lie outside a truncated support (−inf)
             logp_mu=torch.where(mask.bool(), torch.stack(mus, 1), 0.0),
             support=support,
-            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+            prompt_index=torch.arange(len(prompts), device=dev).repeat_interleave(n),
             temperature=temperature,
             routing=router.take_record() if (router := self._noise_of(RoutingNoise)) else None,
         )
@@ -393,8 +399,8 @@ class Engine:
         uniq, inv = torch.unique(key, dim=0, return_inverse=True)
         if uniq.shape[0] == tokens.shape[0]:
             return None
-        first = torch.empty(uniq.shape[0], dtype=torch.long)
-        first.scatter_(0, inv, torch.arange(tokens.shape[0]))
+        first = torch.empty(uniq.shape[0], dtype=torch.long, device=tokens.device)
+        first.scatter_(0, inv, torch.arange(tokens.shape[0], device=tokens.device))
         return first, inv
 
     @torch.no_grad()
@@ -445,7 +451,8 @@ class Engine:
         support with `mask_replay`. An engine with a `replay` noise model replays the sampler's
         routes of exactly these rows (R3)."""
         if rows is None:
-            rows = torch.arange(ro.response_ids.shape[0])
+            rows = torch.arange(ro.response_ids.shape[0], device=ro.response_ids.device)
+        rows = rows.to(ro.response_ids.device)
         replay = self._noise_of(RoutingReplay)
         if replay is not None:
             if ro.routing is None:

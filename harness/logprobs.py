@@ -179,7 +179,10 @@ def chunked_stats(
     law. Calls the `lm_head` module per chunk so that hooks on it (logit noise) fire, inside a
     determinism context built from the positions' prefix hashes `hash_N` when given."""
     n = hidden.shape[0]
-    out = {k: torch.empty(n, dtype=torch.float32) for k in ("logp", "entropy", "p_sq_sum")}
+    out = {
+        k: torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for k in ("logp", "entropy", "p_sq_sum")
+    }
     for s in range(0, n, chunk):
         if hash_N is None:
             z = lm_head(hidden[s : s + chunk])

@@ -46,7 +46,7 @@ from harness.diagnostics import CONF_EDGES, bin_index, identity_check
 from harness.engines import ENGINES, Engine, Rollout, check_sampler
 from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import run_task
-from harness.models import load_model, resolve_dtype, weights_sha
+from harness.models import load_model, resolve_device, resolve_dtype, set_tf32, weights_sha
 from harness.noise import NOISE, build_noise, layer_amplification
 from harness.objectives import build_objective
 from harness.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
@@ -143,14 +143,14 @@ def token_arrays(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str,
     """Per response token (flattened over the mask): the inputs of DeltaStats.add; `sc` holds
     the bin statistics (`p_t`, `p_sq_sum`) of the trainer at the behaviour weights."""
     m = ro.response_mask.bool()
-    rows = torch.arange(m.shape[0])[:, None].expand_as(m)
-    return {
-        "delta": (logp_trainer - ro.logp_mu)[m].double().numpy(),
-        "conf": sc["p_t"][m].double().numpy(),
-        "q": ro.logp_mu[m].double().exp().numpy(),
-        "gate": (1 - 2 * sc["p_t"] + sc["p_sq_sum"])[m].double().numpy(),
-        "seq": rows[m].numpy(),
+    rows = torch.arange(m.shape[0], device=m.device)[:, None].expand_as(m)
+    out = {
+        "delta": logp_trainer - ro.logp_mu,
+        "conf": sc["p_t"],
+        "q": ro.logp_mu.exp(),
+        "gate": 1 - 2 * sc["p_t"] + sc["p_sq_sum"],
     }
+    return {k: v[m].double().cpu().numpy() for k, v in out.items()} | {"seq": rows[m].cpu().numpy()}
 
 
 def check_identity(logp: torch.Tensor, ro: Rollout, tol: float | None, what: str) -> float:
@@ -178,7 +178,7 @@ def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -
     cycled."""
     a = cfg.alpha
     nonzero = batch.advantages.abs().sum(1) > 0  # rows whose group's rewards differ
-    informative = torch.nonzero(nonzero).flatten()
+    informative = torch.nonzero(nonzero).flatten().cpu()  # rows index any device's batch
     if len(informative) == 0:
         print("[measure] warning: every reward group is uniform; the objective moves nothing")
         informative = torch.arange(batch.tokens.shape[0])
@@ -415,9 +415,14 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"alpha.mode={cfg.alpha.mode!r}; valid: steps, perturb, none")
     eng = cfg.engine
     check_sampler(eng.sampler, eng.ct2.compute_type, [n["name"] for n in nodes], cfg.sampler_dtype)
+    for key in ("trainer_dtype", "sampler_dtype"):
+        resolve_dtype(cfg[key], key)
+    device = resolve_device(eng.device)
+    set_tf32(eng.tf32)
 
-    print(f"[measure] loading {spec}; μ: {beta_label(cfg, nodes)} ...", flush=True)
+    print(f"[measure] loading {spec} on {device}; μ: {beta_label(cfg, nodes)} ...", flush=True)
     trainer_model, tok = load_model(spec, dtype=cfg.trainer_dtype, seed=cfg.seed)
+    trainer_model.to(device)
     trainer_model.requires_grad_(False)
     model_sha = weights_sha(trainer_model)  # before any α step: the weights measured
     print(f"[measure] {spec}: weights checksum {model_sha}", flush=True)
@@ -492,7 +497,8 @@ def run(cfg: DictConfig) -> dict:
         m = ro.response_mask.bool()
         beta = (sc_b["logp"] - ro.logp_mu)[m].double()
         alpha = (sc_t["logp"] - sc_b["logp"])[m].double()
-        truth.add(bin_index(arr["conf"], list(cfg.edges)), torch.stack([alpha, beta], 1).numpy())
+        alpha_beta = torch.stack([alpha, beta], 1).cpu().numpy()
+        truth.add(bin_index(arr["conf"], list(cfg.edges)), alpha_beta)
         ref = reference.logp(ro, stats=False, mask_replay=cfg.mask_replay)["logp"][m].double()
         err = torch.cat([beta - (ref - ro.logp_mu[m]), alpha - (sc_t["logp"][m] - ref)])
         max_err = max(max_err, float(err.abs().max()))

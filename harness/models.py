@@ -34,12 +34,44 @@ BUILTIN_SPECS = ("smollm2-135m", "tiny-llama", "tiny-moe")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, key: str = "dtype") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+        raise ValueError(f"{key}={dtype!r}; valid: {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+DEVICE_HELP = "auto (cuda when available, else cpu), cpu, cuda, or cuda:N"
+
+
+def resolve_device(spec: str, key: str = "engine.device") -> torch.device:
+    """`engine.device` → a torch.device, checked before any compute: `auto` is CUDA when it is
+    available, else the CPU; `cuda`/`cuda:N` must exist on this machine."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{key}={spec!r}; valid: {DEVICE_HELP}") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise ValueError(f"{key}={spec!r}; valid: {DEVICE_HELP}")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"{key}={spec!r}, but this machine has no CUDA device; valid: "
+                             "auto or cpu here")  # fmt: skip
+        if (dev.index or 0) >= n:
+            raise ValueError(f"{key}={spec!r}, but this machine has {n} CUDA device(s); valid: "
+                             f"cuda:0..cuda:{n - 1}")  # fmt: skip
+    return dev
+
+
+def set_tf32(allowed: bool) -> None:
+    """TF32 for fp32 matmuls on CUDA (Ampere and later): off by default (`engine.tf32=false`),
+    so the fp32 reference path is IEEE fp32 on a GPU as on the CPU; no effect on the CPU."""
+    torch.set_float32_matmul_precision("high" if allowed else "highest")
+    torch.backends.cudnn.allow_tf32 = allowed
 
 
 def cache_dir() -> Path:

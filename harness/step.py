@@ -76,7 +76,7 @@ def collect(
         seed=seed,
         progress=progress,
     )
-    rewards = reward(ro)
+    rewards = reward(ro).to(ro.logp_mu.device)  # tasks score on the CPU; the batch lives on μ's
     adv = group_advantages(rewards, ro.prompt_index, advantage)
     batch = TokenBatch(
         tokens=ro.response_ids,
@@ -157,12 +157,13 @@ def update(
     skipped = 0
     policy.model.train()
     for i, (rows, lag) in enumerate(schedule):
+        rows = rows.to(policy.device)
         out = policy.logp(
             ro, rows, grad=True, stats=batch.logp_old is None, mask_replay=mask_replay
         )
         if batch.logp_old is None:  # the pass is in `rows` order (a permutation of all rows)
             order = torch.empty_like(rows)
-            order[rows] = torch.arange(len(rows))
+            order[rows] = torch.arange(len(rows), device=rows.device)
             batch = batch.with_old({k: v[order] for k, v in out.items()}, logp_old_source)
         logp, mb = out["logp"], batch.index(rows)
         if calibrate and i == 0:
@@ -213,6 +214,7 @@ def update_distill(
     skipped = 0
     student.model.train()
     for rows, lag in schedule:
+        rows = rows.to(student.device)
         s, t = student_teacher_logits(
             student, teacher, ro, rows, teacher_ids[rows], teacher_mask[rows]
         )

@@ -46,7 +46,15 @@ from harness.engines import ENGINES, Engine, Rollout, check_sampler
 from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import AGGREGATION_KEYS, check_nodes, read_json, run_task, update_meta
 from harness.logprobs import check_sampling
-from harness.models import BUILTIN_SPECS, DTYPES, load_model, resolve_dtype, upcycle_to_moe
+from harness.models import (
+    BUILTIN_SPECS,
+    DTYPES,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    set_tf32,
+    upcycle_to_moe,
+)
 from harness.noise import Fp8Trainer, build_noise
 from harness.objectives import build_objective
 from harness.registry import build
@@ -96,7 +104,9 @@ def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, d
     if cfg.model.upcycle:
         model = upcycle_to_moe(model, **OmegaConf.to_container(cfg.model.upcycle, resolve=True))
     task = build(TASKS, task_name, "task", **task_kw)
-    model = model.to(resolve_dtype(cfg.engine.trainer_dtype))
+    # weights are built (and warm-started) on the CPU, then placed: every copy (sampler, π_old,
+    # teacher) is a deepcopy of this model, so all three policies share its device
+    model = model.to(resolve_device(cfg.engine.device), resolve_dtype(cfg.engine.trainer_dtype))
     return task, model, tok, model_identity(model, cfg.model.spec, recipe)
 
 
@@ -204,7 +214,9 @@ def load_checkpoint(path: Path) -> dict:
     """A checkpoint's state, unpickled with weights_only=True: tensors and plain containers
     only, so a planted file cannot run code; anything else is refused, naming the file."""
     try:
-        return torch.load(path, weights_only=True)
+        # on the CPU: a checkpoint resumes on any device (load_state_dict copies onto the
+        # parameters' device, the optimizer casts its state to them)
+        return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         raise RefusedCheckpoint(
             f"refusing to load {path}: it holds objects other than tensors and plain containers "
@@ -327,6 +339,7 @@ def validate(cfg: DictConfig) -> None:
     for key, value, ok, valid in checks:
         if not ok:
             raise bad(key, value, valid)
+    resolve_device(cfg.engine.device)  # a CUDA device must exist here
     check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
     injected = [n["name"] for n in [cfg.noise, *cfg.extra_noise] if n["name"] != "none"]
     check_sampler(cfg.engine.sampler, cfg.engine.ct2.compute_type, injected,
@@ -392,6 +405,7 @@ class Setup:
 
 
 def build_setup(cfg: DictConfig) -> Setup:
+    set_tf32(cfg.engine.tf32)  # process-wide; the run's one setting
     task, model, tok, identity = build_task_and_model(cfg)
     a = cfg.alpha
     # every copy of the weights before any noise or replay hook is attached (deepcopy copies hooks)

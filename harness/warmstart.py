@@ -178,7 +178,9 @@ def sft_batch(
 
 
 def sft_loss(model: PreTrainedModel, input_ids, attn, labels) -> torch.Tensor:
-    """Token-mean next-token cross-entropy on the response tokens."""
+    """Token-mean next-token cross-entropy on the response tokens (on the model's device)."""
+    dev = next(model.parameters()).device
+    input_ids, attn, labels = input_ids.to(dev), attn.to(dev), labels.to(dev)
     logits = model(input_ids=input_ids, attention_mask=attn).logits[:, :-1]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 

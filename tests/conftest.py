@@ -3,6 +3,23 @@ import torch
 
 from harness.models import load_model
 
+# `device`-parametrised tests run on the CPU everywhere and on CUDA where present; the cuda ids
+# are `gpu`-marked, so CPU CI (-m "not gpu") runs the CPU half, and `pytest -m gpu` (or
+# scripts/gpu_check.sh) the CUDA half
+CUDA = pytest.param(
+    "cuda",
+    id="cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
+
+
+@pytest.fixture(params=["cpu", CUDA])
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
 
 @pytest.fixture
 def tiny_llama():

@@ -63,18 +63,21 @@ def test_logp_mu_is_faithful_chi_square(tiny_llama, temperature, top_p, top_k):
         assert _chi2_pvalue(counts, z.double().softmax(-1)) < 1e-6
 
 
-def test_identical_numerics_reproduce_trainer_logprobs(tiny_llama):
+def test_identical_numerics_reproduce_trainer_logprobs(tiny_llama, device):
     model, tok = tiny_llama
+    model.to(device)
     eng = Engine(model, tok, chunk=7)
     ro = eng.generate(["12+3=", "hello wo", "x"], n=3, max_new_tokens=12, temperature=0.9, seed=3)
     sc = eng.logp(ro)
     m = ro.response_mask.bool()
+    assert ro.logp_mu.device.type == sc["logp"].device.type == device.type
     assert (sc["logp"] - ro.logp_mu)[m].abs().max() <= 1e-5
     assert torch.allclose(sc["p_t"][m], sc["logp"][m].exp())
 
 
-def test_mask_replay_reproduces_truncated_logprobs(tiny_llama):
+def test_mask_replay_reproduces_truncated_logprobs(tiny_llama, device):
     model, tok = _sharpened(tiny_llama)
+    model.to(device)
     eng = Engine(model, tok)
     ro = eng.generate(["abc", "1+1="], n=4, max_new_tokens=8, top_p=0.7, top_k=20, seed=0)
     assert ro.support is not None and ro.support.shape[:2] == ro.response_ids.shape
@@ -87,8 +90,9 @@ def test_mask_replay_reproduces_truncated_logprobs(tiny_llama):
     assert (full["logp"] - ro.logp_mu)[m].mean() < -1e-3
 
 
-def test_kv_cache_equals_full_recompute(tiny_llama):
+def test_kv_cache_equals_full_recompute(tiny_llama, device):
     model, tok = tiny_llama
+    model.to(device)
     kw = dict(n=2, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=5)
     a = Engine(model, tok, kv_cache=True).generate(["ab", "hello there"], **kw)
     b = Engine(model, tok, kv_cache=False).generate(["ab", "hello there"], **kw)
@@ -267,7 +271,7 @@ def _teacher_forced_lean_logits(model, tok, prompts, forced):
 @pytest.mark.parametrize(
     "spec", ["tiny-llama", pytest.param("smollm2-135m", marks=pytest.mark.slow)]
 )
-def test_lean_decode_logits_equal_the_full_forward(spec):
+def test_lean_decode_logits_equal_the_full_forward(spec, device):
     """Teacher-forced: every decode step's logits equal the model's full forward over the whole
     left-padded sequence (GQA in both; SmolLM2: 9 query / 3 KV heads, tied embeddings)."""
     from harness import decode
@@ -275,9 +279,10 @@ def test_lean_decode_logits_equal_the_full_forward(spec):
     from harness.models import load_model
 
     model, tok = load_model(spec)
+    model.to(device)
     assert decode.supports(model)
     prompts = ["12+3=", "a longer prompt here", "x"]
-    forced = torch.randint(3, 90, (3, 6))
+    forced = torch.randint(3, 90, (3, 6)).to(device)
     lean, ids, attn, decoder = _teacher_forced_lean_logits(model, tok, prompts, forced)
     full_ids = torch.cat([ids, forced], 1)
     full_attn = torch.cat([attn, torch.ones_like(forced)], 1)
@@ -300,7 +305,7 @@ def test_lean_decode_logits_equal_the_full_forward(spec):
     ],
 )
 @pytest.mark.parametrize("prompts", [["12+3=", "hello wo"], ["12+3=", "45+6="]])
-def test_lean_decode_rollouts_are_bit_identical_to_the_hf_path(spec, dtype, prompts):
+def test_lean_decode_rollouts_are_bit_identical_to_the_hf_path(spec, dtype, prompts, device):
     """Same kernels as transformers' SDPA path (packed GQA heads with padding, native GQA
     without), so even bf16 rollouts agree bit for bit, with and without left padding."""
     from harness.models import load_model
@@ -308,6 +313,7 @@ def test_lean_decode_rollouts_are_bit_identical_to_the_hf_path(spec, dtype, prom
     model, tok = load_model(spec, dtype=dtype)
     if spec == "tiny-llama":
         model, tok = _sharpened((model, tok))
+    model.to(device)
     lean, hf = Engine(model, tok), Engine(model, tok)
     hf._can_decode_lean = lambda: False  # only the decode loop differs (same shared prefill)
     assert lean._can_decode_lean()

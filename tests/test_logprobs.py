@@ -37,16 +37,16 @@ def test_replay_mask_keeps_the_sampled_token():
     assert m.tolist() == [[[True, False, True, False], [False, False, False, True]]]
 
 
-def _logp_case(use_keep: bool, N: int = 37, H: int = 8, V: int = 50):
+def _logp_case(use_keep: bool, N: int = 37, H: int = 8, V: int = 50, device="cpu"):
     """float64 hidden states and head (with grad), targets, an optional support mask that keeps
-    each target, and an upstream gradient."""
-    h = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
-    W = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
-    y = torch.randint(0, V, (N,))
-    keep = torch.rand(N, V) < 0.5 if use_keep else None
+    each target, and an upstream gradient (drawn on the CPU, then placed on `device`)."""
+    h = torch.randn(N, H, dtype=torch.float64).to(device).requires_grad_()
+    W = torch.randn(V, H, dtype=torch.float64).to(device).requires_grad_()
+    y = torch.randint(0, V, (N,)).to(device)
+    keep = (torch.rand(N, V) < 0.5).to(device) if use_keep else None
     if keep is not None:
         keep[torch.arange(N), y] = True
-    return h, W, y, keep, torch.randn(N, dtype=torch.float64)
+    return h, W, y, keep, torch.randn(N, dtype=torch.float64).to(device)
 
 
 def _naive_logp(h, W, y, temperature, keep):
@@ -59,8 +59,8 @@ def _naive_logp(h, W, y, temperature, keep):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("use_keep", [False, True])
-def test_chunked_logp_matches_naive_value_and_grad(temperature, use_keep):
-    h, W, y, keep, g = _logp_case(use_keep)
+def test_chunked_logp_matches_naive_value_and_grad(temperature, use_keep, device):
+    h, W, y, keep, g = _logp_case(use_keep, device=device)
     out = chunked_logp(h, W, y, temperature, keep, chunk=8)
     (out * g).sum().backward()
     gh, gW = h.grad.clone(), W.grad.clone()
@@ -84,10 +84,10 @@ def test_chunked_stats_by_hand():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("use_keep", [False, True])
-def test_chunked_logp_single_chunk_keeps_softmax_same_value_and_grad(temperature, use_keep):
+def test_chunked_logp_single_chunk_keeps_softmax_same_value_and_grad(temperature, use_keep, device):
     """N ≤ chunk: the backward reuses the forward's softmax; equal to the recompute path and to
     the naive log-softmax, and a second backward (retain_graph) gives the same gradient."""
-    h, W, y, keep, g = _logp_case(use_keep)
+    h, W, y, keep, g = _logp_case(use_keep, device=device)
     grads = []
     for chunk in (64, 8):  # single chunk (kept softmax), then several (recompute)
         out = chunked_logp(h, W, y, temperature, keep, chunk=chunk)
@@ -131,3 +131,25 @@ def test_chunked_logp_with_stats_equals_chunked_stats(chunk, use_keep):
     h.grad = None
     chunked_logp(h, head.weight, y, temperature, keep, chunk=chunk).sum().backward()
     assert torch.equal(g_stats, h.grad)
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_chunked_logp_accumulates_in_fp32_for_bf16_inputs(chunk, device):
+    """bf16 hidden states and head (a bf16 trainer): the logits are upcast before the
+    log-softmax, so log π and its gradients are the fp32 computation on the bf16 values, not a
+    bf16 log-softmax (whose rounding alone is ~1e-2 at these logit sizes)."""
+    h64, W64, y, keep, g = _logp_case(False, N=37, H=64, V=500, device=device)
+    h = h64.detach().to(torch.bfloat16).requires_grad_()
+    W = W64.detach().to(torch.bfloat16).requires_grad_()
+    out = chunked_logp(h, W, y, 1.0, keep, chunk=chunk)
+    assert out.dtype == torch.float32
+    ref = _naive_logp(h.detach().double(), W.detach().double(), y, 1.0, keep)
+    # the one bf16 rounding left is that of the matmul's output (h @ W^T in bf16 on CPU/CUDA)
+    z_bf16 = (h.detach() @ W.detach().t()).double()
+    ref_bf16 = z_bf16.log_softmax(-1).gather(1, y[:, None])[:, 0]
+    assert (out.double() - ref_bf16).abs().max() <= 1e-4
+    bf16_softmax = (h.detach() @ W.detach().t()).log_softmax(-1).gather(1, y[:, None])[:, 0]
+    assert (bf16_softmax.double() - ref).abs().max() > 10 * (out.double() - ref_bf16).abs().max()
+    (out * g.float()).sum().backward()
+    assert h.grad.dtype == W.grad.dtype == torch.bfloat16
+    assert torch.isfinite(h.grad.float()).all() and torch.isfinite(W.grad.float()).all()

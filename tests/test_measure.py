@@ -13,6 +13,7 @@ CONFIG_DIR = str((measure.__file__.rsplit("/harness/", 1)[0]) + "/experiments")
 FILES = ["table3.csv", "table6.csv", "table7.csv", "per_bin.csv", "truth.csv", "summary.json"]
 FILES += ["abs_delta_hist.csv", "layer_amplification.csv", "tables.txt", "snr_shrink.json"]
 TINY = ["model=tiny-llama", "n=2", "max_new_tokens=8", "figures=false", "amp_rows=2"]
+TINY += ["engine.device=cpu"]  # the CPU numbers these tests pin, also where a GPU is
 
 
 def _cfg(tmp_path, *overrides):

@@ -103,3 +103,39 @@ def test_unknown_and_unreachable_specs_fail_in_one_line(monkeypatch):
     msg = str(e.value)
     assert "no-such-org/no-such-model" in msg and len(msg.splitlines()) <= 2
     assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
+def test_resolve_device_and_its_errors(monkeypatch):
+    from harness.models import resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto") == torch.device(expected)
+    assert resolve_device("cpu") == torch.device("cpu")
+    for bad in ("tpu", "cpu:1", "gpu", "cuda:x"):
+        with pytest.raises(ValueError, match=rf"engine.device='{bad}'; valid: auto"):
+            resolve_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match=r"2 CUDA device\(s\); valid: cuda:0..cuda:1"):
+        resolve_device("cuda:2")
+
+
+def test_tf32_is_off_unless_asked_for():
+    from harness.models import set_tf32
+
+    before, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        set_tf32(True)
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cudnn.allow_tf32
+        set_tf32(False)
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(before)
+        torch.backends.cudnn.allow_tf32 = cudnn

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -161,8 +163,9 @@ SPECS = [
 
 
 @pytest.mark.parametrize("name,kw", SPECS)
-def test_attach_detach_bit_identical_and_deterministic(llama, name, kw):
-    x = ids()
+def test_attach_detach_bit_identical_and_deterministic(llama, name, kw, device):
+    llama = copy.deepcopy(llama).to(device)
+    x = ids().to(device)
     ref, sd = logits(llama, x), state(llama)
     noise = build_noise(name, **kw)
     with noise.attached(llama):
@@ -174,8 +177,9 @@ def test_attach_detach_bit_identical_and_deterministic(llama, name, kw):
 
 
 @pytest.mark.parametrize("name,kw", SPECS)
-def test_prefill_matches_kv_cache_decode(llama, name, kw):
-    x = ids(2, 14, seed=1)
+def test_prefill_matches_kv_cache_decode(llama, name, kw, device):
+    llama = copy.deepcopy(llama).to(device)
+    x = ids(2, 14, seed=1).to(device)
     with build_noise(name, **kw).attached(llama):
         full = logits(llama, x)
         dec = cached_decode(llama, x, prefill=6)

@@ -19,12 +19,19 @@ TINY = [
     "eval_n=4",
     "eval_every=2",
     "progress=false",
+    "engine.device=cpu",  # the CPU numbers these tests pin, also on a machine with a GPU
 ]
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+")
+
+
 def _cfg(tmp_path, *overrides):
+    """The tiny config with `overrides`; an override replaces a TINY entry of the same key."""
+    base = [o for o in TINY if _key(o) not in {_key(x) for x in overrides}]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose("train", overrides=[f"out={tmp_path}", *TINY, *overrides])
+        return compose("train", overrides=[f"out={tmp_path}", *base, *overrides])
 
 
 def _metrics(path):
@@ -101,10 +108,12 @@ def test_distill_changes_the_student(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["opsd_fkl", "nsr", "calibrated_clip", "snr_adaptive"])
-def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward):
-    """Run 4 steps straight; run 2, 'crash', resume to 4: identical metric lines (CPU, seeds),
-    also for the stateful objectives (NSR's generator, calibrated clipping's bounds)."""
-    common = [*objective_overrides(name), "checkpoint_every=2", "alpha.minibatches=2"]
+def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward, device):
+    """Run 4 steps straight; run 2, 'crash', resume to 4: identical metric lines (seeds), also
+    for the stateful objectives (NSR's generator, calibrated clipping's bounds); on each device
+    (the checkpoint is read onto the CPU and copied back onto the device's parameters)."""
+    common = [*objective_overrides(name), "checkpoint_every=2", "alpha.minibatches=2",
+              f"engine.device={device.type}"]  # fmt: skip
     if name == "calibrated_clip":
         # recalibrate every step; logit noise on μ makes the low-precision ratio differ
         common += ["++objective.every=1", "noise=logit", "++noise.sigma=0.5"]
@@ -377,6 +386,9 @@ def test_checkpoints_hold_only_tensors_and_plain_containers(tmp_path):
         ("engine.sampler=ct2 noise=logit", "noise=none"),
         ("engine.sampler=ct2 engine.sampler_dtype=bf16", "engine.sampler_dtype"),
         ("engine.sampler=ct2 drivers.beta_growth=2", "drivers.beta_growth"),
+        ("engine.device=tpu", "engine.device"),
+        ("engine.device=cpu:1", "engine.device"),
+        ("engine.device=cuda:99", "engine.device"),
     ],
 )
 def test_every_check_runs_before_any_model_is_built(tmp_path, monkeypatch, override, key):

@@ -341,9 +341,10 @@ class SNRShrink(PolicyObjective):
     def __call__(self, logp: Tensor, batch: TokenBatch):
         if self.adaptive:  # the training tokens' α + β at the update
             m = batch.mask.bool()
-            delta = (logp.detach() - batch.logp_mu)[m].float()
+            # the record is for the numpy SNR split: kept on the CPU whatever the device
+            delta = (logp.detach() - batch.logp_mu)[m].float().cpu()
             self.live_delta = torch.cat([self.live_delta, delta])
-            self.live_conf = torch.cat([self.live_conf, trainer_prob(batch)[m].float()])
+            self.live_conf = torch.cat([self.live_conf, trainer_prob(batch)[m].float().cpu()])
         return super().__call__(logp, batch)
 
     @torch.no_grad()
@@ -353,7 +354,7 @@ class SNRShrink(PolicyObjective):
         from harness.snr import SNRSplit, shrink_kwargs
 
         split = SNRSplit(self.edges)
-        split.add_cal(delta_cal.double().numpy(), conf_cal.double().numpy())
+        split.add_cal(delta_cal.double().cpu().numpy(), conf_cal.double().cpu().numpy())
         split.add_live(self.live_delta.double().numpy(), self.live_conf.double().numpy())
         table = split.bounds()
         kw = shrink_kwargs(table, fill_lam=math.nan, fill_bounds=(math.nan, math.nan))

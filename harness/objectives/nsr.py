@@ -89,6 +89,8 @@ class NSR(PolicyObjective):
             raise ValueError(f"sigma={sigma}; need 0 < sigma <= 1")
         super().__init__(policy, **agg)
         self.mode, self.rescued_weight, self.sigma = mode, rescued_weight, sigma
+        # on the CPU whatever the device: the same rescue draws on CPU and CUDA ([B, T] per
+        # step, cheap to move), and a CPU generator state resumes anywhere
         self.generator = torch.Generator().manual_seed(seed)
 
     def step(self, logp: Tensor, batch: TokenBatch) -> Step:
