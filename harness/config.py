@@ -40,8 +40,11 @@ class EngineCfg:
     device: str = "auto"
     tf32: bool = False  # TF32 matmuls for fp32 on CUDA; off: the fp32 path is IEEE fp32 there too
     ct2: Ct2Cfg = field(default_factory=Ct2Cfg)
-    sampler_dtype: str = "fp32"  # precision: the `precision` natural difference (bf16 vs fp32)
-    trainer_dtype: str = "fp32"
+    # precision (fp32 | bf16 | fp16). Seed 001's precision β is bf16 against bf16 across
+    # engines: sampler_dtype=bf16 trainer_dtype=bf16 (μ's KV-cache decode vs the trainer's full
+    # forward); bf16 against fp32 is the larger, older setting
+    sampler_dtype: str = "fp32"
+    trainer_dtype: str = "fp32"  # bf16/fp16: computes in it, fp32 master weights (MasterAdamW)
     kv_cache: bool = True  # False: the sampler decodes by full recompute (`kv` difference)
     sampler_attention: str = "sdpa"  # sdpa | eager (`attention` difference)
     mask_replay: bool = True  # trainer replays the sampler's top-p/top-k support

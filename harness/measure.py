@@ -50,7 +50,7 @@ from harness.models import load_model, resolve_device, resolve_dtype, set_tf32, 
 from harness.noise import NOISE, build_noise, layer_amplification
 from harness.objectives import build_objective
 from harness.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
-from harness.step import Sampling, collect, update
+from harness.step import Sampling, adamw, collect, update
 
 BOUND_COLUMNS = ["l_noise", "u_noise", "l_signal", "u_signal", "l_ess", "u_ess", "lower", "upper"]
 BOUND_COLUMNS += ["upper_set_by"]
@@ -189,7 +189,7 @@ def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -
     ]
     schedule = [sched[k % len(sched)] for k in range(a.steps)]
     obj = build_objective(a.objective, **OmegaConf.to_container(a.objective_kw, resolve=True))
-    opt = torch.optim.AdamW(live.model.parameters(), lr=a.lr, weight_decay=0.0)
+    opt = adamw(live.model, lr=a.lr, weight_decay=0.0, fused=False)
     live.model.requires_grad_(True)
     _, metrics, skipped = update(
         live, obj, batch, ro, schedule, opt, a.grad_clip, mask_replay=cfg.mask_replay

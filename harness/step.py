@@ -90,6 +90,62 @@ def collect(
     return batch, ro, rewards
 
 
+class MasterAdamW:
+    """AdamW for a bf16/fp16 trainer as FSDP's mixed precision runs it: the model computes (and
+    its gradients arrive) in its own dtype, the optimizer updates an fp32 master copy of every
+    parameter, and the model gets the master rounded back after each step. Updating the bf16
+    weights themselves would round away every update below half a bf16 ulp of its weight (lr
+    1e-6 on weights of 1e-2: all of them; tests/test_train.py). Same interface as the optimizer
+    the loop uses (zero_grad, step, param_groups, state_dict); `pull()` re-seeds the master from
+    the model (after a roll-back to earlier weights)."""
+
+    def __init__(self, model: torch.nn.Module, **kw: Any):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.inner = torch.optim.AdamW(self.master, **kw)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for m, p in zip(self.master, self.params):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for m, p in zip(self.master, self.params):
+            p.copy_(m)
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        for m, p in zip(self.master, self.params):
+            m.copy_(p)
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.inner.state_dict(), "master": [m.detach() for m in self.master]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["adamw"])
+        for m, saved in zip(self.master, state["master"]):
+            m.copy_(saved)
+
+
+def adamw(model: torch.nn.Module, **kw: Any):
+    """The trainer's optimizer: AdamW on the parameters of an fp32 model, `MasterAdamW` (fp32
+    master weights) on a bf16/fp16 one. Fused (one kernel over all parameters: ~4× faster step
+    on smollm2, CPU bench) unless `fused=False` is passed."""
+    kw.setdefault("fused", True)
+    if next(model.parameters()).dtype == torch.float32:
+        return torch.optim.AdamW(model.parameters(), **kw)
+    return MasterAdamW(model, **kw)
+
+
 def optimizer_step(
     model: torch.nn.Module, loss: Tensor, opt, grad_clip: float, restore=None
 ) -> float | None:

@@ -59,7 +59,7 @@ from harness.noise import Fp8Trainer, build_noise
 from harness.objectives import build_objective
 from harness.registry import build
 from harness.repetition import copy_token_probs, exit_mass, repetition_report
-from harness.step import ADVANTAGES, Sampling, collect, update, update_distill
+from harness.step import ADVANTAGES, Sampling, adamw, collect, update, update_distill
 from harness.tasks import TASKS, Task, teacher_prompt
 
 
@@ -399,7 +399,7 @@ class Setup:
     sampler: Engine  # μ
     teacher: torch.nn.Module | None
     objective: Any
-    opt: torch.optim.Optimizer
+    opt: Any  # torch.optim.AdamW, or harness.step.MasterAdamW for a bf16/fp16 trainer
     history: WeightHistory
     identity: dict
 
@@ -431,12 +431,11 @@ def build_setup(cfg: DictConfig) -> Setup:
     if obj_name != "opsd_fkl":  # the aggregation node: the name and the denominator convention
         agg_name, agg_kw = split_node(cfg.aggregation)
         obj_kw.update(aggregation=agg_name, **agg_kw)
-    opt = torch.optim.AdamW(
-        model.parameters(),
+    opt = adamw(  # fp32 master weights when the trainer is bf16/fp16
+        model,
         lr=cfg.optim.lr,
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         weight_decay=cfg.optim.weight_decay,
-        fused=True,  # one kernel over all parameters: ~4× faster step on smollm2 (CPU, bench)
     )
     history = WeightHistory(a.staleness)
     history.push(model)
@@ -671,7 +670,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             len(rewards), cfg.alpha.minibatches, cfg.alpha.staleness, seed=step
         )
         push = lambda: s.history.push(s.policy.model)  # noqa: E731
-        restore = lambda: s.policy.model.load_state_dict(s.history.newest())  # noqa: E731
+        restore = partial(roll_back, s)
         reps = repetition_reports(ro)
         if s.teacher is not None:
             t_ids, t_mask, exit_metrics = distill_inputs(cfg, s, problems, reps)
@@ -722,6 +721,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     update_meta(run_dir, last_step=cfg.steps)
     s.sampler.close()
     return last
+
+
+def roll_back(s: Setup) -> None:
+    """After a step that made a weight non-finite: the previous weights back (and, for a
+    bf16/fp16 trainer, its fp32 master weights re-seeded from them)."""
+    s.policy.model.load_state_dict(s.history.newest())
+    if hasattr(s.opt, "pull"):
+        s.opt.pull()
 
 
 def checkpoint_state(s: Setup, step: int, guard: dict) -> dict[str, Any]:

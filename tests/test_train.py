@@ -71,6 +71,8 @@ def objective_overrides(name: str) -> list[str]:
     if name == "snr_adaptive":  # refreshes at step 4 from steps 1-3's tokens (across a resume)
         return ["objective=snr_shrink", "objective.adaptive=true", "objective.every=3",
                 "noise=logit", "++noise.sigma=0.5"]  # fmt: skip
+    if name == "bf16":  # a bf16 trainer and sampler: fp32 master weights in the checkpoint
+        return ["engine.trainer_dtype=bf16", "engine.sampler_dtype=bf16"]
     return [f"objective={name}"]
 
 
@@ -107,7 +109,7 @@ def test_distill_changes_the_student(tmp_path):
     assert diff > 0 and all(r["grad/norm"] > 0 for r in _metrics(tmp_path))
 
 
-@pytest.mark.parametrize("name", ["opsd_fkl", "nsr", "calibrated_clip", "snr_adaptive"])
+@pytest.mark.parametrize("name", ["opsd_fkl", "nsr", "calibrated_clip", "snr_adaptive", "bf16"])
 def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward, device):
     """Run 4 steps straight; run 2, 'crash', resume to 4: identical metric lines (seeds), also
     for the stateful objectives (NSR's generator, calibrated clipping's bounds); on each device
@@ -665,3 +667,28 @@ def test_full_pipeline_fp8_unifies_the_trainer_with_the_sampler(
         ValueError, match="engine.trainer_fp8=true .* noise='none'; valid: noise=fp8"
     ):
         train.run(_cfg(tmp_path / "d", "engine.trainer_fp8=true", "steps=1"))
+
+
+def test_bf16_trainer_updates_fp32_master_weights():
+    """AdamW's first steps move a weight by ≈ lr each. At 1.0 a bf16 ulp is 2^-7: steps of 1e-3
+    are below half an ulp, so AdamW on the bf16 weight itself never moves it; the fp32 master
+    accumulates them (1 + 20·1e-3) and the model holds the master rounded to bf16."""
+    from harness.step import MasterAdamW, adamw
+
+    def run(opt_of):
+        lin = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+        torch.nn.init.ones_(lin.weight)
+        opt = opt_of(lin)
+        for _ in range(20):
+            opt.zero_grad()
+            lin.weight.grad = torch.full_like(lin.weight, -1.0)
+            opt.step()
+        return lin, opt
+
+    lin, opt = run(lambda m: adamw(m, lr=1e-3, weight_decay=0.0))
+    assert isinstance(opt, MasterAdamW)
+    assert opt.master[0].item() == pytest.approx(1.02, abs=1e-6)
+    assert lin.weight.item() == torch.tensor(1.02).to(torch.bfloat16).item() > 1.0
+    naive, _ = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0))
+    assert naive.weight.item() == 1.0
+    assert type(adamw(torch.nn.Linear(1, 1), lr=1e-3)) is torch.optim.AdamW  # fp32: plain
