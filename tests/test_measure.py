@@ -150,3 +150,22 @@ def test_measure_refuses_to_overwrite_committed_results(tmp_path):
     )
     assert r.returncode != 0 and time.time() - t0 < 60
     assert "refusing to overwrite" in r.stderr and "force=true" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("engine.device=tpu", "engine.device"),
+        ("engine.device=cuda:99", "engine.device"),
+        ("sampler_dtype=fp64", "sampler_dtype"),
+        ("trainer_dtype=int8", "trainer_dtype"),
+    ],
+)
+def test_device_and_dtype_errors_come_before_any_model_is_loaded(tmp_path, monkeypatch, override,
+                                                                 key):  # fmt: skip
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr(measure, "load_model", no_load)
+    with pytest.raises(ValueError, match=rf"{key}=.*valid"):
+        measure.run(_cfg(tmp_path, *[t for t in TINY if "device" not in t], override))
