@@ -100,7 +100,7 @@ class MasterAdamW:
     the model (after a roll-back to earlier weights)."""
 
     def __init__(self, model: torch.nn.Module, **kw: Any):
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = list(model.parameters())  # all of them, as AdamW(model.parameters())
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
         self.inner = torch.optim.AdamW(self.master, **kw)
 

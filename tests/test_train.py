@@ -692,3 +692,17 @@ def test_bf16_trainer_updates_fp32_master_weights():
     naive, _ = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0))
     assert naive.weight.item() == 1.0
     assert type(adamw(torch.nn.Linear(1, 1), lr=1e-3)) is torch.optim.AdamW  # fp32: plain
+
+
+def test_master_adamw_takes_frozen_parameters_as_adamw_does():
+    """harness.measure builds the optimizer on a frozen model, then unfreezes it (the precision
+    sweep's bf16 trainer failed with 'empty parameter list' when frozen ones were left out)."""
+    from harness.step import adamw
+
+    lin = torch.nn.Linear(2, 2).to(torch.bfloat16).requires_grad_(False)
+    opt = adamw(lin, lr=1e-2)
+    lin.requires_grad_(True)
+    lin(torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward()
+    before = lin.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, lin.weight)
