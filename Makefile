@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ratiolab-installed
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: setup demo test test-fast test-recipe lint bench figures clean-venv
+.PHONY: setup demo test test-fast test-recipe lint bench figures gpu-check clean-venv
 
 setup: $(STAMP)
 
@@ -62,6 +62,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.layer_amplification results/measure
 	$(PY) -m analysis.real_engine_beta  # CTranslate2 β beside the injected β (results/real_engine_beta/)
 	$(PY) -m analysis.real_engine_beta --compare results/measure --out results/measure
+	$(PY) -m analysis.real_engine_beta results/precision_beta --compare results/measure  # bf16 β
 	$(PY) -m analysis.collapse_reject_vs_clamp
 	$(PY) -m analysis.collapse_drivers
 	$(PY) -m analysis.fp8_entropy_surge
@@ -73,6 +74,9 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.dose_response  # NSR and CIS over β, with their base experiments' σ point
 	$(PY) -m analysis.alpha_calibration
 	$(PY) -m analysis.claims  # results/claims.md: every pre-registered endpoint and its verdict
+
+gpu-check:  ## on a GPU machine (no venv: the image's python3 + the carried .whl/): scripts/gpu/README.md
+	bash scripts/gpu_check.sh
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,6 +1,8 @@
-"""Figure and table: β from a real second engine (CTranslate2) beside injected FP8 β (issue 17).
+"""Figure and table: β from a real second engine (CTranslate2) beside injected FP8 β (issue 17),
+and the precision β of results/precision_beta (issue 18: bf16/bf16, bf16/fp32, fp32/fp32).
 
     python -m analysis.real_engine_beta [results/real_engine_beta] [--compare results/measure]
+    python -m analysis.real_engine_beta results/precision_beta --compare results/measure
 
 Calibration pass (frozen weights, so Δ = β) of every run under the first folder and of the
 comparison run(s): (a) mean |Δ log π| per trainer-confidence bin; (b) the CIS repository's shape
@@ -37,6 +39,13 @@ def repo_relative(path: Path) -> str:
     return str(path.relative_to(repo)) if path.is_relative_to(repo) else str(path)
 
 
+def source_label(beta: str, s: dict) -> str:
+    """A run's β source: what μ differs by, and its precisions when they are not fp32 (the
+    precision_beta runs inject nothing: their β is the dtypes')."""
+    dtypes = (s.get("sampler_dtype", "fp32"), s.get("trainer_dtype", "fp32"))
+    return beta if dtypes == ("fp32", "fp32") else f"{beta}, μ {dtypes[0]} / π {dtypes[1]}"
+
+
 def sources(roots: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Calibration per-bin rows and one Table 3 row per run, labelled by its β source."""
     bins, rows = [], []
@@ -44,11 +53,11 @@ def sources(roots: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
         pb = load_runs(root, "per_bin.csv")
         t3 = load_runs(root, "table3.csv")
         for run, d in pb[pb["pass"] == "cal"].groupby("run", sort=False):
-            label = d.label.iloc[0].split(" | ")[0]
+            s = summary(Path(root) / run)
+            label = source_label(d.label.iloc[0].split(" | ")[0], s)
             bins.append(d.assign(source=label))
             stats = t3[t3.run == run].set_index("stat").value
             ok = d[d.n >= MIN_N]
-            s = summary(Path(root) / run)
             rows.append({
                 "source": label, "run": repo_relative(Path(root) / run), "model": s.get("model"),
                 "weights_sha": s.get("weights_sha"), "n_tokens": stats["n_tokens"],
@@ -104,7 +113,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     for ax in axes:
         ax.legend(fontsize=7)
     models = ", ".join(sorted({f"{m} ({s})" for m, s in zip(table.model, table.weights_sha)}))
-    fig.suptitle(f"Real-engine β (CTranslate2, nothing injected) vs injected FP8 β: {models}")
+    fig.suptitle(f"β by source — a real engine or the precision (nothing injected) beside "
+                 f"injected noise: {models}")  # fmt: skip
     return savefig(fig, out / "fig_real_engine_beta")
 
 

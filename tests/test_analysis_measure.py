@@ -96,3 +96,12 @@ def test_real_engine_comparison_table_and_figure(results, tmp_path):
     row = table[table.run == str(other.resolve())].iloc[0]  # outside the repository: absolute
     assert row["median/mean"] == pytest.approx(t3["median"] / t3["mean"], rel=1e-3)
     assert (table.logit_disp_range > 0).all()
+
+
+def test_source_label_names_the_precisions_of_a_run_that_injects_nothing():
+    from analysis.real_engine_beta import source_label
+
+    assert source_label("none", {"sampler_dtype": "fp32", "trainer_dtype": "fp32"}) == "none"
+    assert source_label("none", {}) == "none"  # runs written before the dtypes were recorded
+    s = {"sampler_dtype": "bf16", "trainer_dtype": "fp32"}
+    assert source_label("none", s) == "none, μ bf16 / π fp32"

@@ -26,6 +26,7 @@ MEASURE_PRESETS = {
     "noise_anatomy",
     "snr_table",
     "real_engine_beta",
+    "precision_beta",
 }  # run with harness.measure, not harness.train
 MODEL_SPECS = {"task-model", "smollm2-135m", "tiny-llama", "tiny-moe"}  # ModelCfg.spec names
 PRESETS = sorted(p.stem for p in (EXP / "experiment").glob("*.yaml"))
@@ -85,6 +86,7 @@ def test_every_preset_exists():
         "nsr_dose",
         "cis_dose",
         "real_engine_beta",
+        "precision_beta",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The device check (issue 18): one command on a GPU machine, <= 6 minutes, everything it finds
+# in $OUT (default ./gpu_check_out): summary.json (also printed), log.txt (every stage's output),
+# gpu_tests.xml, device_tests.xml (junit), bench_gpu.json, fp8_fidelity/. See scripts/gpu/README.md.
+#
+#   bash scripts/gpu_check.sh                      # on the device (the repo root; carry .whl)
+#   GPU_CHECK_DEVICES=cpu bash scripts/gpu_check.sh  # plumbing dry run on a CPU machine
+#
+# Stages: install the .whl/ wheels into /tmp/site; environment (nvidia-smi, torch, CUDA); the
+# gpu-marked tests (tests/test_gpu.py); the device-parametrised tests' cuda ids; the CPU vs CUDA
+# step benchmark; the real-vs-emulated FP8 fidelity; the summary. Every stage runs under its own
+# timeout inside one overall budget; a failing stage is recorded (rc, seconds) and the next runs.
+# Exit status: 0 when every stage passed and no test failed, else 1.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-./gpu_check_out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+PY=${PY:-python3}
+DEVICES=${GPU_CHECK_DEVICES:-cpu,cuda}
+BUDGET=${GPU_CHECK_BUDGET_S:-345}  # the whole check; the device tool allows 6 min for it
+BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---steps 3 --warmup 1 --prompts 8 --group 4 --new-tokens 32 --dtype fp32,bf16}
+FP8_ARGS=${GPU_CHECK_FP8_ARGS:-}
+FP8_DEVICE=cuda
+[[ ",$DEVICES," == *",cuda,"* ]] || FP8_DEVICE=cpu
+WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
+STAGES=$WORK/stages.tsv
+LOG=$OUT/log.txt
+# this script's own files from an earlier run in the same $OUT
+rm -rf "$OUT"/{summary.json,log.txt,gpu_tests.xml,device_tests.xml,bench_gpu.json} \
+  "$OUT"/fp8_fidelity "$OUT"/fp8_fidelity.tar.gz
+: >"$STAGES"
+: >"$LOG"
+T0=$SECONDS
+echo "gpu_check: OUT=$OUT devices=$DEVICES budget=${BUDGET}s ($(date -u +%FT%TZ))" | tee -a "$LOG"
+
+record() {  # name rc seconds [note]
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >>"$STAGES"
+  echo "--- $1: rc=$2 ${3}s ${4:-} (elapsed $((SECONDS - T0))s)" | tee -a "$LOG"
+}
+
+# stage NAME MAX_S RESERVE_S CMD...: run CMD with a timeout of MAX_S, or less so that RESERVE_S
+# seconds of the budget stay for the stages after it; output to $WORK/NAME.out and the log
+stage() {
+  local name=$1 max=$2 reserve=$3
+  shift 3
+  local left=$((BUDGET - (SECONDS - T0) - reserve))
+  local limit=$((left < max ? left : max))
+  if ((limit < 10)); then
+    record "$name" skipped 0 "no time left in the ${BUDGET}s budget"
+    return
+  fi
+  echo "=== $name (timeout ${limit}s): $*" | tee -a "$LOG"
+  local t=$SECONDS
+  PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" >"$WORK/$name.out" 2>&1
+  local rc=$?
+  cat "$WORK/$name.out" >>"$LOG"
+  local note=""
+  ((rc == 124 || rc == 137)) && note="timed out after ${limit}s"
+  record "$name" "$rc" "$((SECONDS - t))" "$note"
+}
+
+# (a) the wheels the image lacks (scripts/gpu/wheels.sh downloads them into .whl/ beforehand)
+t=$SECONDS
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
+  rc=$?
+  if ((rc != 0)); then  # no pip: a pure-Python wheel installs by unzipping it (purelib only)
+    echo "pip install failed (rc $rc): unzipping the wheels into /tmp/site" | tee -a "$LOG"
+    mkdir -p /tmp/site && rc=0
+    for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" /tmp/site >>"$LOG" 2>&1 || rc=$?; done
+  fi
+  record install $rc $((SECONDS - t)) "$(ls .whl | tr '\n' ' ')"
+else
+  msg="ERROR: no .whl/*.whl here: run 'bash scripts/gpu/wheels.sh' on a machine with PyPI and"
+  msg+=" carry '.whl' to the device (hydra-core, omegaconf, submitit are not in its image)"
+  echo "$msg" | tee -a "$LOG" >&2
+  record install 2 0 "$msg"
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export TOKENIZERS_PARALLELISM=false
+
+# (b) the environment: nvidia-smi into the log, versions and capability into the summary
+{ nvidia-smi || echo "nvidia-smi: not available"; } >>"$LOG" 2>&1
+stage env 60 300 "$PY" scripts/gpu/summarize.py env --json "$WORK/env.json"
+"$PY" - "$WORK/env.json" <<'EOF' || true
+import json, sys
+try:
+    e = json.load(open(sys.argv[1]))
+except Exception as exc:  # the env stage failed: its log says why
+    sys.exit(f"env: unreadable ({exc})")
+print(f"env: {e.get('gpu')} (sm {e.get('capability')}), torch {e.get('torch')}, "
+      f"CUDA {e.get('cuda')}, python {e.get('python')}; {e.get('nvidia_smi')}")
+EOF
+
+# (c) tests: the gpu-marked file, then every other gpu-marked test: the `cuda` ids of the
+# device-parametrised tests (conftest.py marks them gpu) and the gpu tests of other files
+PYTEST=("$PY" -m pytest -v -rfE -p no:cacheprovider --continue-on-collection-errors)
+stage gpu_tests 150 170 "${PYTEST[@]}" -m gpu --junitxml="$OUT/gpu_tests.xml" tests/test_gpu.py
+stage device_tests 100 130 "${PYTEST[@]}" -m "gpu and not slurm and not recipe" \
+  --ignore=tests/test_gpu.py --junitxml="$OUT/device_tests.xml" tests
+
+# (d) the CPU vs CUDA step benchmark, then real FP8 vs emulated FP8
+# shellcheck disable=SC2086  # BENCH_ARGS / FP8_ARGS are word lists
+stage bench 150 45 "$PY" benchmarks/bench_gpu.py --devices "$DEVICES" $BENCH_ARGS \
+  --json "$OUT/bench_gpu.json"
+if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('harness.fp8_fidelity') is None)"
+then
+  # shellcheck disable=SC2086
+  stage fp8_fidelity 90 5 "$PY" -m harness.fp8_fidelity --model smollm2-shaped \
+    --device "$FP8_DEVICE" --dtype bf16 --out "$OUT/fp8_fidelity" $FP8_ARGS
+else
+  record fp8_fidelity missing 0 "harness/fp8_fidelity.py is not in this tree"
+fi
+
+# (e) the summary (standard library only), printed; at most 8 files under $OUT
+"$PY" scripts/gpu/summarize.py summary --out "$OUT" --stages "$STAGES" --env "$WORK/env.json" \
+  --tests gpu_tests,device_tests --logs "$WORK" >"$WORK/summary.out" 2>&1
+src=$?
+cat "$WORK/summary.out"
+cat "$WORK/summary.out" >>"$LOG"
+if (($(find "$OUT" -type f | wc -l) > 8)) && [ -d "$OUT/fp8_fidelity" ]; then
+  tar -czf "$OUT/fp8_fidelity.tar.gz" -C "$OUT" fp8_fidelity && rm -rf "$OUT/fp8_fidelity"
+  echo "more than 8 files under OUT: fp8_fidelity/ packed into fp8_fidelity.tar.gz" | tee -a "$LOG"
+fi
+rm -rf "$WORK"
+echo "gpu_check: done in $((SECONDS - T0))s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
+((src == 0)) || exit 1
+"$PY" -c "import json,sys; sys.exit(0 if json.load(open(sys.argv[1]))['ok'] else 1)" \
+  "$OUT/summary.json"
