@@ -82,6 +82,8 @@ def arm_label(exp: str, cfg: dict) -> str:
             return "high precision"
         if cfg["noise"]["name"] == "logit" and obj == "ppo_clip":  # the β stand-in (issue 16)
             return pi_old
+        if cfg["noise"].get("kernel") == "scaled_mm" and obj == "ppo_clip":  # real FP8 (GPU)
+            return pi_old
         if cfg["noise"].get("fmt") == "e5m2":  # the stress arm: E5M2 weights + activations
             return "FP8 E5M2 W8A8 (std clip)"
         names = {"tis": "FP8 + TIS", "cis": "FP8 + CIS", "calibrated_clip": "FP8 + calibrated"}

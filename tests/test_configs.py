@@ -238,6 +238,7 @@ def test_run_names_are_hashed_when_long_and_never_hold_out_or_progress(tmp_path)
     from harness.config import RUN_NAME_MAX, run_name
 
     assert run_name("objective=cispo,seed=1") == "objective=cispo,seed=1"
+    assert run_name("model.spec=Qwen/Qwen2.5-0.5B,seed=1") == "model.spec=Qwen_Qwen2.5-0.5B,seed=1"
     long = ",".join(f"rollout.group_size={i}" for i in range(40))
     name = run_name(long)
     assert len(name) == RUN_NAME_MAX and name.startswith(long[:40]) and name == run_name(long)
