@@ -134,6 +134,33 @@ def tiny_llama(seed: int = 0, **overrides) -> tuple[PreTrainedModel, PreTrainedT
     return LlamaForCausalLM(cfg).eval(), tok
 
 
+SMOLLM2_SHAPE = dict(  # SmolLM2-135M's config (notes/noise-models.md §4.1)
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=1e5,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
+def smollm2_shaped(
+    n_layers: int = 30, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A random-init Llama of SmolLM2-135M's shapes (`n_layers` of its 30), with the char
+    tokenizer (its ids < 100 are valid in the 49152 vocabulary): the real model's GEMM sizes on a
+    machine without the GGUF. Random weights give near-uniform next-token laws."""
+    tok = char_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**_tiny_common(tok), **SMOLLM2_SHAPE, "num_hidden_layers": n_layers})
+    model = LlamaForCausalLM(cfg)
+    model.tie_weights()
+    return model.eval(), tok
+
+
 def tiny_moe(seed: int = 0, **overrides) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Tiny Mixtral: 8 experts, top-2, random init. Experts pinned to the eager implementation."""
     tok = char_tokenizer()

@@ -109,7 +109,8 @@ if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('harness.fp8_
 then
   # shellcheck disable=SC2086
   stage fp8_fidelity 90 5 "$PY" -m harness.fp8_fidelity --model smollm2-shaped \
-    --device "$FP8_DEVICE" --dtype bf16 --out "$OUT/fp8_fidelity" $FP8_ARGS
+    --n-layers 4 --sharpen 10 --device "$FP8_DEVICE" --dtype bf16 \
+    --out "$OUT/fp8_fidelity" $FP8_ARGS  # 4 layers, logits ×10: tokens in every confidence bin
 else
   record fp8_fidelity missing 0 "harness/fp8_fidelity.py is not in this tree"
 fi

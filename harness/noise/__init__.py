@@ -5,7 +5,8 @@ Registry `NOISE` (name -> class; kwargs are the constructor's, checked at build 
   layer    LayerNoise(sigma=2e-3, layers=None, inject_at=None, mode="norm", seed=0,
            deterministic=True)                          relative residual-stream noise
   logit    LogitNoise(sigma=0.1, nu=None, seed=0, deterministic=True)   Gaussian / Student-t
-  fp8      Fp8Noise(fmt="e4m3", granularity="tensor", weights=True, activations=False, ...)
+  fp8      Fp8Noise(fmt="e4m3", granularity="tensor", weights=True, activations=False, ...,
+           kernel="emulated")   fake-quant FP8, or kernel="scaled_mm": the real FP8 GEMM
   routing  RoutingNoise(sigma=0.1, seed=0, deterministic=True)   MoE router noise + record
   replay   RoutingReplay(indices=None)                   R3 replay for the trainer
   batch    BatchNoise(sigma=1e-3, key="rows", layers=None, mode="norm", seed=0)

@@ -13,11 +13,18 @@ Granularities (notes §1.3):
            (OCP spec, torchao default: s = 2^(⌊log2 amax⌋ − emax_elem), may clip) or "rceil"
            (cuBLAS / Blackwell: s = 2^⌈log2(amax / max)⌉)
 `pow2=True` rounds s up to a power of two (torchao rowwise, DeepGEMM UE8M0); never overflows.
+
+Two kernels run a recipe (`Fp8Noise(kernel=...)`): "emulated" (fake quant: quantise-dequantise,
+then the high-precision matmul) and "scaled_mm" (the real FP8 GEMM, `torch._scaled_mm`: E4M3
+operands, fp32 accumulation, fp32 dequant scales applied in its epilogue; Ada/Hopper, or the CPU
+where this torch build runs it). Both quantise with the same amax and scale rule, so the only
+difference between them is the GEMM itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
@@ -38,6 +45,9 @@ MX_ROUNDING = ("floor", "rceil")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 KV_SCALES = ("one", "token")
+KERNELS = ("emulated", "scaled_mm")
+SCALED_MM_GRANULARITIES = ("tensor", "row")
+SCALED_MM_ALIGN = 16  # torch._scaled_mm on CUDA: K and N multiples of 16
 _AMAX_EPS = 1e-12
 
 
@@ -47,8 +57,12 @@ def _fmt(fmt: str) -> tuple[torch.dtype, float, int]:
     return FORMATS[fmt]
 
 
+def _quant(x: Tensor, s: Tensor, dtype8: torch.dtype, fmax: float) -> Tensor:
+    return (x / s).clamp_(-fmax, fmax).to(dtype8)
+
+
 def _cast(x: Tensor, s: Tensor, dtype8: torch.dtype, fmax: float) -> Tensor:
-    return (x / s).clamp_(-fmax, fmax).to(dtype8).float() * s
+    return _quant(x, s, dtype8, fmax).float() * s
 
 
 def _dequant_scale(amax: Tensor, fmax: float, pow2: bool) -> Tensor:
@@ -87,7 +101,11 @@ def fp8_qdq(
         raise ValueError("fp8_qdq: amax= (delayed scaling) only applies to granularity='tensor'")
     xf = x.float()
     if granularity == "tensor":
-        a = xf.abs().amax() if amax is None else torch.as_tensor(amax, dtype=torch.float32)
+        a = (
+            xf.abs().amax()
+            if amax is None
+            else torch.as_tensor(amax, dtype=torch.float32, device=xf.device)
+        )
         return _cast(xf, _dequant_scale(a, fmax, pow2), dtype8, fmax).to(x.dtype)
     if granularity == "row":
         a = xf.abs().amax(dim=-1, keepdim=True)
@@ -106,6 +124,103 @@ def fp8_qdq(
     return q[..., :R, :C].reshape(x.shape).to(x.dtype)
 
 
+# --- the real FP8 GEMM ---------------------------------------------------------------------------
+
+
+def fp8_quantise(
+    x: Tensor, fmt: str = "e4m3", granularity: str = "tensor", *, pow2: bool = False
+) -> tuple[Tensor, Tensor]:
+    """x → (q, s): q in FP8 (x's shape), s the fp32 dequant scale (0-dim for "tensor", [..., 1]
+    for "row"), with the amax and scale rule of `fp8_qdq`, so that
+    fp8_qdq(x, fmt, granularity, pow2=pow2) == (q.float() * s).to(x.dtype) bit for bit."""
+    dtype8, fmax, _ = _fmt(fmt)
+    if granularity not in SCALED_MM_GRANULARITIES:
+        raise ValueError(
+            f"fp8_quantise: granularity={granularity!r}; valid: "
+            f"{', '.join(SCALED_MM_GRANULARITIES)}"
+        )
+    xf = x.float()
+    a = xf.abs().amax() if granularity == "tensor" else xf.abs().amax(dim=-1, keepdim=True)
+    s = _dequant_scale(a, fmax, pow2)
+    return _quant(xf, s, dtype8, fmax), s
+
+
+def fp8_linear(
+    q_x: Tensor, s_x: Tensor, q_w: Tensor, s_w: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    """(s_x·q_x) @ (s_w·q_w)ᵀ as one FP8 GEMM (`torch._scaled_mm`): q_x [M, K], q_w [N, K] in FP8;
+    s_x 0-dim or [M, 1], s_w 0-dim or [N, 1] fp32 dequant scales; → [M, N] in `out_dtype`.
+    The kernel takes two singletons or two row vectors (scale_a [M, 1], scale_b [1, N]); with
+    one of each, the singleton is broadcast to a row vector (the same numbers). On the CPU both
+    are: its tensor-wise kernel is a scalar loop (torch 2.13: 8.8 s for a 64×576×1536 GEMM,
+    row-wise 0.01 s)."""
+    scale_a, scale_b = s_x, s_w.reshape(1, -1) if s_w.dim() else s_w
+    if s_x.dim() != s_w.dim() or q_x.device.type == "cpu":
+        scale_a = s_x.reshape(-1, 1).expand(q_x.shape[0], 1).contiguous()
+        scale_b = s_w.reshape(1, -1).expand(1, q_w.shape[0]).contiguous()
+    return torch._scaled_mm(  # CUDA: a row-major, b column-major (q_w [N, K] row-major, .t())
+        q_x.contiguous(), q_w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype
+    )
+
+
+def fp8_kernel_available(
+    device: torch.device | str,
+    out_dtype: torch.dtype = torch.float32,
+    granularity: str = "tensor",
+    act_granularity: str = "tensor",
+) -> bool:
+    """Whether `fp8_linear` runs on `device` for this output dtype and these scalings: a CUDA
+    device of capability >= (8, 9) (Ada, Hopper) or the CPU, confirmed by a 16×16 trial GEMM
+    (cached). Some combinations are refused by the kernel itself: row-wise scaling with an fp32
+    output needs cuBLAS on capability 9.0 (Ada: bf16/fp16 only)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.get_device_capability(dev) < (8, 9):
+            return False
+    elif dev.type != "cpu":
+        return False
+    return _trial_gemm(str(dev), out_dtype, granularity, act_granularity)
+
+
+@functools.cache
+def _trial_gemm(
+    device: str, out_dtype: torch.dtype, granularity: str, act_granularity: str
+) -> bool:
+    """ones(16, 16) @ ones(16, 16)ᵀ = 16 everywhere (to the scales' rounding) when it runs."""
+    x = torch.ones(16, 16, device=device)
+    try:
+        q_x, s_x = fp8_quantise(x, "e4m3", act_granularity)
+        q_w, s_w = fp8_quantise(x, "e4m3", granularity)
+        y = fp8_linear(q_x, s_x, q_w, s_w, out_dtype)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return bool(((y.float() - 16).abs() < 0.1).all())
+
+
+_SCALED_MM_NEEDS = {  # kwarg: (its valid values with kernel="scaled_mm", why)
+    "fmt": (("e4m3",), "E4M3 operands"),
+    "weights": ((True,), "the GEMM takes an FP8 weight"),
+    "activations": ((True,), "the GEMM takes an FP8 input"),
+    "granularity": (SCALED_MM_GRANULARITIES, "the kernel's scalings"),
+    "act_granularity": (SCALED_MM_GRANULARITIES, "the kernel's scalings"),
+    "kv_cache": ((False,), "an FP8 KV cache needs FP8 attention kernels; use kernel='emulated'"),
+}
+
+
+def _check_scaled_mm(**kwargs) -> None:
+    for key, value in kwargs.items():
+        valid, why = _SCALED_MM_NEEDS[key]
+        if value not in valid:
+            raise ValueError(
+                f"fp8: kernel='scaled_mm' does not take {key}={value!r} ({why}); valid: "
+                f"{', '.join(map(repr, valid))}"
+            )
+
+
 # --- the noise model ----------------------------------------------------------------------------
 
 
@@ -122,6 +237,16 @@ class Fp8Noise(NoiseModel):
     `kv_cache`: K and V (post-RoPE, as cached) in FP8 with scale 1.0 (`kv_scale="one"`, vLLM's
     default) or per token and head (`"token"`); both are idempotent, so prefill and cached decode
     see the same values.
+
+    `kernel="scaled_mm"` runs every targeted nn.Linear (`modules` in the decoder layers, and
+    lm_head when `lm_head`) as a real FP8 GEMM (`fp8_linear`): the weight quantised once per
+    attach / `on_weight_sync()` (kept as FP8 + scales, the parameter itself untouched), the input
+    per call (current scaling), the bias added after, out in the input's dtype. It needs E4M3,
+    weights and activations on, `granularity` and `act_granularity` in (tensor, row), no KV
+    cache, and on the model: K and N multiples of 16 on every targeted linear, and a device that
+    runs the kernel (`fp8_kernel_available`); all checked before any compute. The other weight
+    targets (fused MoE experts, router, norms, embeddings) are quantised as in the emulation
+    (weight swap, high-precision compute), so the two kernels differ only in the linears' GEMM.
     """
 
     uses_context = False
@@ -145,6 +270,7 @@ class Fp8Noise(NoiseModel):
         router: bool = False,
         kv_cache: bool = False,
         kv_scale: str = "one",
+        kernel: str = "emulated",
     ):
         super().__init__()
         _fmt(fmt)
@@ -166,6 +292,24 @@ class Fp8Noise(NoiseModel):
             raise ValueError(f"fp8: unknown kv_scale {kv_scale!r}; valid: {', '.join(KV_SCALES)}")
         if not (weights or activations or kv_cache):
             raise ValueError("fp8: nothing to quantise (weights, activations and kv_cache all off)")
+        if kernel not in KERNELS:
+            raise ValueError(f"fp8: unknown kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+        if kernel == "scaled_mm":
+            _check_scaled_mm(
+                fmt=fmt,
+                weights=weights,
+                activations=activations,
+                granularity=granularity,
+                act_granularity=act_granularity,
+                kv_cache=kv_cache,
+            )
+            if not (tuple(modules) or lm_head):
+                raise ValueError(
+                    "fp8: kernel='scaled_mm' needs a linear to run: modules=() with "
+                    "lm_head=False leaves only weight targets (experts, router, norms); valid: "
+                    f"modules from {', '.join(LINEARS)}, or lm_head=True"
+                )
+        self.kernel = kernel
         self.fmt, self.granularity, self.act_granularity = fmt, granularity, act_granularity
         self.weights, self.activations, self.kv_cache = weights, activations, kv_cache
         self.block_size, self.pow2, self.mx_rounding = block_size, pow2, mx_rounding
@@ -176,6 +320,7 @@ class Fp8Noise(NoiseModel):
         self._scoped: list[tuple[nn.Parameter, Tensor, Tensor]] = []
         self._amax_hist: dict[int, deque] = {}
         self._attn_impl: str | None = None
+        self._gemm: list[tuple[nn.Linear, Tensor, Tensor]] = []  # scaled_mm: (linear, q_w, s_w)
 
     @property
     def row_local(self) -> bool:
@@ -245,8 +390,54 @@ class Fp8Noise(NoiseModel):
             params.append((model.get_input_embeddings(), "weight"))
         return linears, params
 
+    def check_model(self, model: nn.Module) -> None:
+        """The model-side requirements of `kernel="scaled_mm"` (a no-op for the emulation),
+        raised before any compute: every targeted linear has K and N multiples of 16 (CUDA's
+        requirement, enforced on every device so that a recipe fails alike on the CPU), and its
+        device runs the kernel at the model's dtype and this recipe's scalings."""
+        if self.kernel != "scaled_mm":
+            return
+        linears, _ = self._targets(model)
+        if not linears:
+            raise ValueError(
+                f"fp8: kernel='scaled_mm' found no linear to run in {type(model).__name__} "
+                f"(modules={list(self.modules)}, lm_head={self.lm_head})"
+            )
+        names = {id(m): name for name, m in model.named_modules()}
+        for m in linears:
+            N, K = m.weight.shape
+            if N % SCALED_MM_ALIGN or K % SCALED_MM_ALIGN:
+                raise ValueError(
+                    f"fp8: kernel='scaled_mm' needs K and N multiples of {SCALED_MM_ALIGN}; "
+                    f"layer {names[id(m)]} has weight [N, K] = [{N}, {K}] (use kernel='emulated', "
+                    "or leave it out of modules / lm_head)"
+                )
+        for dev, dtype in {(m.weight.device, m.weight.dtype) for m in linears}:
+            if not fp8_kernel_available(dev, dtype, self.granularity, self.act_granularity):
+                cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+                raise RuntimeError(
+                    f"fp8: kernel='scaled_mm' cannot run on {dev}"
+                    f"{f' (capability {cap[0]}.{cap[1]})' if cap else ''} with out dtype {dtype}, "
+                    f"granularity={self.granularity!r}, act_granularity={self.act_granularity!r}: "
+                    "torch._scaled_mm needs CUDA capability >= 8.9 or a CPU build that has it "
+                    "(row-wise scaling with fp32 out: capability 9.0); use kernel='emulated'"
+                )
+
     def _attach(self, model: nn.Module) -> None:
         linears, params = self._targets(model)
+        if self.kernel == "scaled_mm":
+            self.check_model(model)
+            for m in linears:
+                if "forward" in vars(m):
+                    raise RuntimeError(
+                        f"fp8: kernel='scaled_mm' cannot replace the forward of {m}: it already "
+                        "has one of its own (an Fp8Trainer or another scaled_mm attached?)"
+                    )
+            for i, m in enumerate(linears):
+                self._gemm.append((m, *self.quantise_weight(m.weight.data)))
+                m.forward = self._gemm_forward(i)  # an instance attribute: shadows the class's
+            gemm = {id(m) for m in linears}
+            params = [(m, name) for m, name in params if id(m) not in gemm]
         if self.weights:
             # a parameter shared with a module kept in high precision (tied lm_head/embeddings)
             # is swapped in only while the chosen module runs; all others are swapped for good
@@ -272,7 +463,7 @@ class Fp8Noise(NoiseModel):
                 else:
                     self._permanent.append(entry)
                     p.data = entry[2]
-        if self.activations:
+        if self.activations and self.kernel == "emulated":
             for i, m in enumerate(linears):
                 self._hook(m, self._act_hook(i), pre=True)
         if self.kv_cache:
@@ -292,10 +483,29 @@ class Fp8Noise(NoiseModel):
 
         return pre
 
+    def quantise_weight(self, w: Tensor) -> tuple[Tensor, Tensor]:
+        """scaled_mm: W [N, K] → (q_w, s_w), FP8 and its fp32 dequant scale, on W's device."""
+        return fp8_quantise(w, self.fmt, self.granularity, pow2=self.pow2)
+
+    def _gemm_forward(self, i: int):
+        def forward(x: Tensor) -> Tensor:
+            m, q_w, s_w = self._gemm[i]  # on_weight_sync replaces the entry
+            q_x, s_x = fp8_quantise(
+                x.reshape(-1, x.shape[-1]), self.fmt, self.act_granularity, pow2=self.pow2
+            )
+            y = fp8_linear(q_x, s_x, q_w, s_w, x.dtype)
+            if m.bias is not None:
+                y = y + m.bias
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+
+        return forward
+
     def on_weight_sync(self) -> None:
         """Re-quantise from the model's current weights (the engine copied the trainer's weights
         in, in place or by replacing `.data`); weights still equal to our quantised copy keep the
-        stored high-precision original."""
+        stored high-precision original. scaled_mm linears re-quantise their (untouched)
+        parameter."""
+        self._gemm = [(m, *self.quantise_weight(m.weight.data)) for m, _, _ in self._gemm]
         for lst in (self._permanent, self._scoped):
             for i, (p, hp, q) in enumerate(lst):
                 cur = p.data  # a fresh Tensor object each access: compare storage, not identity
@@ -312,6 +522,9 @@ class Fp8Noise(NoiseModel):
         self._amax_hist.clear()
 
     def _detach(self) -> None:
+        for m, _, _ in self._gemm:
+            del m.forward
+        self._gemm.clear()
         for p, hp, _ in self._permanent + self._scoped:
             p.data = hp
         self._permanent.clear()
@@ -374,6 +587,8 @@ class Fp8Trainer(NoiseModel):
     W̃ = sg(qdq(W)) + (W − sg(W)) (value qdq(W) exactly, gradient 1 into the high-precision master
     W), and x̃ likewise when `recipe.activations`. Linears only: fused MoE experts, norms,
     embeddings and the KV cache stay high precision on the trainer side (documented gap).
+    The trainer always emulates (qdq + high-precision matmul, whatever `recipe.kernel`): with a
+    scaled_mm sampler, the mismatch left at θ = θ_old is the real GEMM's against the emulation's.
     `high_precision()` lifts it for a shadow pass (calibrated clipping's r_hp, evaluation)."""
 
     uses_context = False
