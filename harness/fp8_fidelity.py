@@ -26,7 +26,14 @@ from torch import Tensor, nn
 from harness.diagnostics import CONF_EDGES, bin_index, bin_label
 from harness.engines import Engine
 from harness.io import write_json_atomic
-from harness.models import decoder_layers, load_model, resolve_device, resolve_dtype, smollm2_shaped
+from harness.models import (
+    decoder_layers,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    smollm2_shaped,
+    weights_sha,
+)
 from harness.noise import Fp8Noise, NoiseModel
 
 PROMPTS = (
@@ -228,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = fp8_fidelity(model, tok, PROMPTS, recipe, a.n, a.max_new_tokens, a.seed)
     result.update(
         model=a.model,
+        weights_sha=weights_sha(model),  # the model by its weights (after --sharpen)
         n_layers=len(decoder_layers(model)),
         dtype=a.dtype,
         sharpen=a.sharpen,
