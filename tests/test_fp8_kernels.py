@@ -53,15 +53,19 @@ def naive_fp8(t: torch.Tensor, row: bool) -> torch.Tensor:
 # --- the kernel against the emulation and a hand reference ---------------------------------------
 
 
+def three_ways(model, gran, act_gran):
+    """Token log-probs of one batch: clean, under the emulated recipe, under the real GEMMs."""
+    x = ids()
+    out = [logprobs(model, x)]
+    for kernel in ("emulated", "scaled_mm"):
+        with Fp8Noise(kernel=kernel, **recipe(gran, act_gran)).attached(model):
+            out.append(logprobs(model, x))
+    return out
+
+
 @pytest.mark.parametrize("gran,act_gran", GRANS)
 def test_scaled_mm_equals_emulation_in_fp32_and_both_differ_from_clean(gran, act_gran):
-    model, _ = load_model("tiny-llama")
-    x = ids()
-    clean = logprobs(model, x)
-    with Fp8Noise(kernel="emulated", **recipe(gran, act_gran)).attached(model):
-        emulated = logprobs(model, x)
-    with Fp8Noise(kernel="scaled_mm", **recipe(gran, act_gran)).attached(model):
-        real = logprobs(model, x)
+    clean, emulated, real = three_ways(load_model("tiny-llama")[0], gran, act_gran)
     assert torch.equal(real, emulated)
     for noisy in (emulated, real):
         assert (noisy - clean).abs().mean() > 1e-3  # the FP8 noise acts (~5e-3)
@@ -69,13 +73,7 @@ def test_scaled_mm_equals_emulation_in_fp32_and_both_differ_from_clean(gran, act
 
 @pytest.mark.parametrize("gran,act_gran", [("tensor", "tensor"), ("row", "row")])
 def test_scaled_mm_and_emulation_in_bf16_differ_by_bf16_rounding(gran, act_gran):
-    model, _ = load_model("tiny-llama", dtype="bf16")
-    x = ids()
-    clean = logprobs(model, x)
-    with Fp8Noise(kernel="emulated", **recipe(gran, act_gran)).attached(model):
-        emulated = logprobs(model, x)
-    with Fp8Noise(kernel="scaled_mm", **recipe(gran, act_gran)).attached(model):
-        real = logprobs(model, x)
+    clean, emulated, real = three_ways(load_model("tiny-llama", dtype="bf16")[0], gran, act_gran)
     assert (real - emulated).abs().max() <= 0.05 and (real - emulated).abs().mean() <= 5e-3
     ratio = (real - clean).abs().mean() / (emulated - clean).abs().mean()
     assert 0.75 <= float(ratio) <= 1.33
