@@ -145,12 +145,13 @@ def token_arrays(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str,
     m = ro.response_mask.bool()
     rows = torch.arange(m.shape[0], device=m.device)[:, None].expand_as(m)
     out = {
-        "delta": logp_trainer - ro.logp_mu,
-        "conf": sc["p_t"],
-        "q": ro.logp_mu.exp(),
-        "gate": 1 - 2 * sc["p_t"] + sc["p_sq_sum"],
+        "delta": (logp_trainer - ro.logp_mu)[m].double(),
+        "conf": sc["p_t"][m].double(),
+        "q": ro.logp_mu[m].double().exp(),  # exp in float64, as the statistics are
+        "gate": (1 - 2 * sc["p_t"] + sc["p_sq_sum"])[m].double(),
+        "seq": rows[m],
     }
-    return {k: v[m].double().cpu().numpy() for k, v in out.items()} | {"seq": rows[m].cpu().numpy()}
+    return {k: v.cpu().numpy() for k, v in out.items()}
 
 
 def check_identity(logp: torch.Tensor, ro: Rollout, tol: float | None, what: str) -> float:
