@@ -29,6 +29,10 @@ from harness.noise.fp8 import fp8_kernel_available, fp8_quantise
 GRANS = [("tensor", "tensor"), ("row", "row"), ("tensor", "row"), ("row", "tensor")]
 E4M3_MAX = 448.0
 
+# as the `device` fixture's cuda ids (tests/conftest.py): deselected on CPU CI by the marker, and
+# a skip with its reason where someone runs `-m gpu` without a GPU
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
 
 def recipe(granularity="row", act_granularity="row", **kw) -> dict:
     return dict(granularity=granularity, act_granularity=act_granularity, activations=True, **kw)
@@ -301,10 +305,10 @@ def _cuda_models():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-llama", "smollm2-shaped"])
 @pytest.mark.parametrize("dtype,gran", [(torch.float32, "tensor"), (torch.bfloat16, "row")])
+@NEEDS_CUDA
 def test_cuda_scaled_mm_is_finite_and_as_noisy_as_the_emulation(name, dtype, gran):
     """On capability >= 8.9 the real FP8 GEMM runs, is finite, and its |Δ log π| against the
     clean model is of the emulation's order; below 8.9 attach refuses it clearly."""
-    assert torch.cuda.is_available()
     model = _cuda_models()[name]().to("cuda", dtype)
     rec = recipe(gran, gran)
     if torch.cuda.get_device_capability() < (8, 9):
@@ -326,8 +330,8 @@ def test_cuda_scaled_mm_is_finite_and_as_noisy_as_the_emulation(name, dtype, gra
 
 
 @pytest.mark.gpu
+@NEEDS_CUDA
 def test_cuda_fp8_fidelity_on_the_smollm2_shaped_model():
-    assert torch.cuda.is_available()
     model, tok = smollm2_shaped(n_layers=4, seed=0)
     model = model.to("cuda", torch.bfloat16)
     if torch.cuda.get_device_capability() < (8, 9):
