@@ -41,8 +41,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import CLIP, LR, RatiolabStep, work_for  # noqa: E402
 
-from harness.step import adamw  # noqa: E402
-
 MODELS = ("task-model", "smollm2-shaped")
 
 
@@ -69,8 +67,6 @@ def time_steps(base, tok, work, dev: torch.device, dtype: str, warmup: int, step
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     rs = RatiolabStep(model, tok, work)  # the trainer on `model`, the sampler on its deep copy
-    rs.sampler.eos_ids = rs.sampler.eos_ids.to(dev)  # EOS off (RatiolabStep makes it on the CPU)
-    rs.opt = adamw(model, lr=LR, betas=(0.9, 0.99))  # the loop's optimizer (bf16: fp32 master)
     assert rs.trainer.device.type == dev.type and rs.sampler.device.type == dev.type
     problems = work.task.sample(work.prompts * (warmup + steps), "train", 0)
     times, phases = [], []

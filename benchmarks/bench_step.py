@@ -55,7 +55,7 @@ import torch
 from harness.alpha import WeightHistory
 from harness.engines import Engine
 from harness.objectives import build_objective
-from harness.step import Sampling, collect, update
+from harness.step import Sampling, adamw, collect, update
 from harness.tasks import arithmetic
 
 
@@ -119,13 +119,13 @@ class RatiolabStep:
         self.trainer = Engine(model, tok)
         self.sampler = Engine(copy.deepcopy(model), tok)
         if not work.eos:  # all rows run new_tokens tokens
-            self.sampler.eos_ids = torch.empty(0, dtype=torch.long)
+            self.sampler.eos_ids = torch.empty(0, dtype=torch.long, device=self.sampler.device)
         self.tok, self.work = tok, work
         self.waste: list[dict[str, float]] = []
         self.objective = build_objective(
             "ppo_clip", eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation="token-mean"
         )
-        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), fused=True)
+        self.opt = adamw(model, lr=LR, betas=(0.9, 0.99))  # the loop's: fused; bf16: fp32 master
         self.history = WeightHistory(0)
         self.history.push(model)
 

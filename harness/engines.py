@@ -450,8 +450,7 @@ class Engine:
         softmax(z/T) at the rollout's temperature, restricted to the sampler's top-k/top-p
         support with `mask_replay`. An engine with a `replay` noise model replays the sampler's
         routes of exactly these rows (R3)."""
-        if rows is None:
-            rows = torch.arange(ro.response_ids.shape[0], device=ro.response_ids.device)
+        rows = torch.arange(ro.response_ids.shape[0]) if rows is None else rows
         rows = rows.to(ro.response_ids.device)
         replay = self._noise_of(RoutingReplay)
         if replay is not None:

@@ -153,12 +153,7 @@ def smollm2_shaped(
     """A random-init Llama of SmolLM2-135M's shapes (`n_layers` of its 30), with the char
     tokenizer (its ids < 100 are valid in the 49152 vocabulary): the real model's GEMM sizes on a
     machine without the GGUF. Random weights give near-uniform next-token laws."""
-    tok = char_tokenizer()
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**_tiny_common(tok), **SMOLLM2_SHAPE, "num_hidden_layers": n_layers})
-    model = LlamaForCausalLM(cfg)
-    model.tie_weights()
-    return model.eval(), tok
+    return tiny_llama(seed, **SMOLLM2_SHAPE, num_hidden_layers=n_layers)
 
 
 def tiny_moe(seed: int = 0, **overrides) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
