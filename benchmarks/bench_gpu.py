@@ -41,6 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import CLIP, LR, RatiolabStep, work_for  # noqa: E402
 
+from harness.io import write_text_atomic  # noqa: E402
+
 MODELS = ("task-model", "smollm2-shaped")
 
 
@@ -182,7 +184,7 @@ def main() -> None:
                 r = time_steps(base, tok, work, dev, dtype, a.warmup, a.steps)
                 report["results"].append({"model": name, "device": dev.type, "dtype": dtype, **r})
                 report["ratio_cpu_over_cuda"] = ratios(report["results"])
-                out.write_text(json.dumps(report, indent=2) + "\n")
+                write_text_atomic(out, json.dumps(report, indent=2) + "\n")  # cut short: kept
         del base
     print(f"\n{'model':16} {'dtype':5} {'device':6} {'median s':>9} {'min s':>8} {'max s':>8}")
     for r in report["results"]:

@@ -7,9 +7,10 @@
 skipped and the failing test ids per file), OUT/bench_gpu.json (median step seconds per
 (model, device, dtype) and the CPU/CUDA ratios), OUT/fp8_fidelity/*.json (real-FP8 vs
 emulated-FP8 β per confidence bin, as harness.fp8_fidelity writes it) and the stage table
-(`name<TAB>rc<TAB>seconds[<TAB>note]` per line, written by the shell script), and writes and
-prints OUT/summary.json. Standard library only (torch is imported by `env` alone), so the
-report is written whatever failed before it. Tested in tests/test_gpu_check.py.
+(`name<TAB>rc<TAB>seconds[<TAB>note]` per line, written by the shell script), and writes
+(atomically: harness.io) and prints OUT/summary.json. Standard library only (torch is imported
+by `env` alone), so the report is written whatever failed before it. Tested in
+tests/test_gpu_check.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
+from harness.io import write_text_atomic  # noqa: E402  (standard library only)
 
 # the wheels of .whl/ (scripts/gpu/wheels.sh) and what the image ships
 PACKAGES = (
@@ -320,13 +324,13 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "env":
         text = json.dumps(env_info(), indent=2)
         if a.json:
-            Path(a.json).write_text(text + "\n")
+            write_text_atomic(Path(a.json), text + "\n")
         print(text)
         return
     tests = tuple(t for t in a.tests.split(",") if t)
     report = summarize(Path(a.out), a.stages, a.env, tests, a.logs)
     text = json.dumps(report, indent=2)
-    (Path(a.out) / "summary.json").write_text(text + "\n")
+    write_text_atomic(Path(a.out) / "summary.json", text + "\n")
     print(text)
     print(headline(report))
     sys.stdout.flush()
