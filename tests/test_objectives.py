@@ -1,4 +1,4 @@
-"""Objectives (issue 4): worked numbers by hand, invariants, naive-loop references.
+"""Objectives: worked numbers by hand, invariants, naive-loop references.
 
 Convention in the worked examples: A = advantage, r = π_θ/π_old, ρ = π_old/μ, N = response tokens;
 gradients are d loss / d logp (logp = log π_θ), and every default window is DAPO's [0.8, 1.28].
@@ -11,7 +11,7 @@ import torch
 
 from harness.batch import TokenBatch
 from harness.objectives import AGGREGATIONS, OBJECTIVES, build_objective
-from harness.objectives.core import PolicyObjective
+from harness.objectives.core import PolicyObjective, clamp, ppo_clip_loss
 from harness.objectives.methods import cis_weight
 
 L = math.log
@@ -108,6 +108,20 @@ def test_ppo_clip_by_hand():
     torch.testing.assert_close(grad, t([[0.0, -0.125, 0.275, 0.0]]))
     assert (m["clip/frac_low"], m["clip/frac_high"]) == (0.25, 0.25)
     assert m["is/weight_mean"] == m["is/ess"] == 1.0
+
+
+def test_clamp_bounds_are_exact_in_the_input_dtype():
+    # float64 r below, at and above DAPO's [0.8, 1.28]: the clipped values are the float64 bounds
+    # exactly. A bound rounded through float32 first reads 0.800000011920929 / 1.2799999713897705.
+    r = torch.tensor([0.5, 0.8, 1.0, 1.28, 2.0], dtype=torch.float64)
+    want = torch.tensor([0.8, 0.8, 1.0, 1.28, 1.28], dtype=torch.float64)
+    assert torch.equal(clamp(r, 0.8, 1.28), want)
+    lo, hi = torch.full_like(r, 0.8), torch.full_like(r, 1.28)  # per-token bounds
+    assert torch.equal(clamp(r, lo, hi), want)
+    # the PPO clip at the same bounds: A = +1 on r = 2.0 gives -1.28, A = -1 on r = 0.5 gives 0.8
+    adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    loss = ppo_clip_loss(torch.tensor([0.5, 2.0], dtype=torch.float64), adv, 0.8, 1.28)
+    assert loss.tolist() == [0.8, -1.28]
 
 
 def test_dual_clip_by_hand():

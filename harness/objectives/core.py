@@ -1,6 +1,6 @@
 """Shared parts of every policy objective: ratio → level → treatment → correction → aggregation.
 
-One token's loss is `base · sg(coef · w) · keep` (notes/methods.md; SNR post, Table 9):
+One token's loss is `base · sg(coef · w) · keep` (SNR post, Table 9):
   base   the surrogate that carries the gradient: the PPO clip on r (gradient through r), or
          −A·log π (CISPO form, gradient through log π)
   coef   the detached coefficient of a CISPO-form treatment (clamp, band); 1 for the PPO clip
@@ -10,7 +10,7 @@ The ratios are the rows of Table 1 (harness.batch): trust = π_θ/π_old (row 1)
 (row 3, pure engine noise β), folded = π_θ/μ (row 4). Levels: token, sequence (product) and
 geometric (length-normalised mean of log r, as GSPO and Geo-RS).
 
-Denominator convention (frameworks disagree, notes/frameworks.md §7): with
+Denominator convention (frameworks disagree): with
 `rejected_in_denominator=True` (default: TRL, slime, NeMo-RL, OpenRLHF) a rejected token adds 0
 to the numerator but still counts in the normaliser; with False (verl RS as read, STAPO) it
 leaves the normaliser too. Clipped tokens are never "rejected": they always count.
@@ -92,8 +92,14 @@ def at_level(log_r: Tensor, mask: Tensor, level: str) -> Tensor:
 
 
 def clamp(x: Tensor, lo: float | Tensor, hi: float | Tensor) -> Tensor:
-    """clip(x, lo, hi) for float or per-token bounds."""
-    return x.clamp(torch.as_tensor(lo).to(x), torch.as_tensor(hi).to(x))
+    """clip(x, lo, hi) for float or per-token bounds, each bound in x's dtype and device.
+
+    A float bound is rounded once, from the Python float to x's dtype, so it is exact where that
+    dtype holds it: 0.8 stays 0.8 in float64 (through float32 it would read 0.800000011920929).
+    """
+    if isinstance(lo, Tensor) or isinstance(hi, Tensor):  # torch.clamp takes two of a kind
+        lo, hi = (torch.as_tensor(b, dtype=x.dtype, device=x.device) for b in (lo, hi))
+    return x.clamp(lo, hi)
 
 
 # --- surrogates and treatments -----------------------------------------------------------------
@@ -240,7 +246,7 @@ def aggregator(name: str, norm_len: int | None) -> Callable[[Tensor, Tensor], Te
 def policy_metrics(
     batch: TokenBatch, weight: Tensor, keep: Tensor, low: Tensor, high: Tensor, flip: Tensor
 ) -> dict[str, float]:
-    """The namespaced metrics every policy objective returns (issue 4).
+    """The namespaced metrics every policy objective returns.
 
     clip/* and mask/* and rescue/* are fractions of response tokens; is/* describe the applied
     detached weight sg(coef · w) over kept tokens (is/ess_seq on per-sequence mean weights).
