@@ -1,5 +1,6 @@
 """α controls: policy movement between the weights that sampled (μ's weights) and the weights
-that train (π_θ), kept separate from engine noise β (issue 3, item 7).
+that train (π_θ), kept separate from engine noise β (SNR post, Table 2: α from staleness and
+from the minibatch index).
 
   staleness k   the sampler's weights lag the trainer's by k optimizer steps (`WeightHistory`)
   m minibatches one rollout batch trained as m minibatches: minibatch j (1-based) trains

@@ -40,9 +40,9 @@ class EngineCfg:
     device: str = "auto"
     tf32: bool = False  # TF32 matmuls for fp32 on CUDA; off: the fp32 path is IEEE fp32 there too
     ct2: Ct2Cfg = field(default_factory=Ct2Cfg)
-    # precision (fp32 | bf16 | fp16). Seed 001's precision β is bf16 against bf16 across
-    # engines: sampler_dtype=bf16 trainer_dtype=bf16 (μ's KV-cache decode vs the trainer's full
-    # forward); bf16 against fp32 is the larger, older setting
+    # precision (fp32 | bf16 | fp16). The SNR post's precision β (Table 2) is bf16 against bf16
+    # across engines: sampler_dtype=bf16 trainer_dtype=bf16 (μ's KV-cache decode vs the trainer's
+    # full forward); bf16 against fp32 is the larger mismatch
     sampler_dtype: str = "fp32"
     trainer_dtype: str = "fp32"  # bf16/fp16: computes in it, fp32 master weights (MasterAdamW)
     kv_cache: bool = True  # False: the sampler decodes by full recompute (`kv` difference)
@@ -50,10 +50,10 @@ class EngineCfg:
     mask_replay: bool = True  # trainer replays the sampler's top-p/top-k support
     routing_replay: bool = False  # R3: trainer replays the sampler's MoE routes
     logp_old_source: str = "trainer"  # trainer (recompute at behaviour weights) | sampler (μ)
-    # full-pipeline FP8 (seed 002): every trainer-side forward (the gradient pass and the π_old
-    # recompute) in the sampler's FP8 recipe (needs noise=fp8), straight-through gradient into
-    # the high-precision weights; calibrated clipping's shadow pass and evaluation stay high
-    # precision (harness.noise.Fp8Trainer)
+    # full-pipeline FP8 (Calibrated Clipping, arXiv 2609.22870): every trainer-side forward (the
+    # gradient pass and the π_old recompute) in the sampler's FP8 recipe (needs noise=fp8),
+    # straight-through gradient into the high-precision weights; calibrated clipping's shadow
+    # pass and evaluation stay high precision (harness.noise.Fp8Trainer)
     trainer_fp8: bool = False
 
 
@@ -77,7 +77,7 @@ class AlphaCfg:
 
 @dataclass
 class OptimCfg:
-    lr: float = 1e-4  # task model: 5e-4 collapsed eval accuracy within 100 steps (warm-start notes)
+    lr: float = 1e-4  # task model: 5e-4 collapses eval accuracy within 100 steps
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.99
@@ -93,13 +93,13 @@ class GuardCfg:
 
 @dataclass
 class DistillCfg:
-    enabled: bool = False  # on-policy self-distillation (seed 003) instead of GRPO
+    enabled: bool = False  # on-policy self-distillation (OPSD) instead of GRPO
     teacher_prompt: str = TEACHER_PROMPT  # warm-start recipes' privileged_frac train on it
 
 
 @dataclass
 class DriversCfg:
-    """The feedback loops' drivers (issue 16 item 4): off by default."""
+    """The feedback loops' drivers: off by default."""
 
     # β that grows with training: every sampler noise σ (logit, layer) scaled linearly from 1× at
     # step 1 to beta_growth× at the last step, on the same noise field (the SNR post measured

@@ -1,4 +1,4 @@
-"""Lean KV-cache decoding for dense Llama models (issue 9).
+"""Lean KV-cache decoding for dense Llama models.
 
 At the size of the task models (d = 128–192, 4–6 layers) a decode step of the Hugging Face model
 is mostly Python and tensor bookkeeping: per step it builds a causal mask, concatenates every

@@ -1,17 +1,18 @@
-"""Fit injected logit noise to a measured real-engine β, and check the fit (issue 17 item 3).
+"""Fit injected logit noise to a measured real-engine β, and check the fit.
 
     python -m harness.fit_noise fit RUN [--name NAME]      # RUN: a harness.measure folder
     python -m harness.fit_noise check RUN FITTED_RUN         # per-bin fit quality
 
-`fit` reads the calibration pass of RUN (per_bin.csv: per confidence bin the measured mean |Δ|
-and the trainer's gate E√(1 − 2p_t + ‖p‖²)) and fits Gaussian logit noise z ← z + σε to it: for
-small σ, |Δ| per bin is ≈ √(2/π)·σ·E√(gate) (notes/methods.md §2.1), so σ is the token-weighted
-least-squares fit of the measured per-bin means. It writes experiments/noise/<NAME>.yaml, a noise
-config any preset can use (`noise=<NAME>`, scaled as `noise.sigma=...`), with the run it came
-from in its header. `check` compares a measurement with that noise (FITTED_RUN: the same job,
-`noise=<NAME>`, the HF sampler) against RUN per bin: the ratios fitted / real of mean |Δ| and of
-its p50, p90, p99 — 1 where the injected noise reproduces the real engine's; the p99 ratio says
-whether the tail is as heavy. Written to FITTED_RUN/fit_quality.csv.
+`fit` reads the calibration pass of RUN (per_bin.csv: per confidence bin the measured mean |Δ| and
+the trainer's gate E√(1 − 2p_t + ‖p‖²)) and fits Gaussian logit noise z ← z + σε to it. To first
+order Δ_t ≈ (e_t − p)ᵀε, a Gaussian of variance σ²(1 − 2p_t + ‖p‖²) (the SNR post's softmax gate,
+§2), so |Δ| per bin is ≈ √(2/π)·σ·E√(gate) and σ is the token-weighted least-squares fit of the
+measured per-bin means. It writes experiments/noise/<NAME>.yaml, a noise config any preset can use
+(`noise=<NAME>`, scaled as `noise.sigma=...`), with the run it came from in its header. `check`
+compares a measurement with that noise (FITTED_RUN: the same job, `noise=<NAME>`, the HF sampler)
+against RUN per bin: the ratios fitted / real of mean |Δ| and of its p50, p90, p99 — 1 where the
+injected noise reproduces the real engine's; the p99 ratio says whether the tail is as heavy.
+Written to FITTED_RUN/fit_quality.csv.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How faithful the FP8 emulation is to the real FP8 GEMM (issue 18 item 3).
+"""How faithful the FP8 emulation is to the real FP8 GEMM.
 
     python -m harness.fp8_fidelity --model tiny-llama|smollm2-135m|smollm2-shaped|<spec> \
         --device auto|cpu|cuda --dtype fp32|bf16 --out DIR

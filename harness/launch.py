@@ -1,4 +1,4 @@
-"""What a task needs to be robust under Slurm (issue 7; recipe: shared/notes/slurm.md).
+"""What a task needs to be robust under Slurm.
 
 Inside a job (`train.main`, `measure.main`):
 

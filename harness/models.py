@@ -134,7 +134,7 @@ def tiny_llama(seed: int = 0, **overrides) -> tuple[PreTrainedModel, PreTrainedT
     return LlamaForCausalLM(cfg).eval(), tok
 
 
-SMOLLM2_SHAPE = dict(  # SmolLM2-135M's config (notes/noise-models.md §4.1)
+SMOLLM2_SHAPE = dict(  # SmolLM2-135M's LlamaConfig, as its GGUF loads (30 layers)
     vocab_size=49152,
     hidden_size=576,
     intermediate_size=1536,

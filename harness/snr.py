@@ -1,5 +1,5 @@
-"""Streaming statistics of the observed log-ratio and the SNR split (SNR post, seed 001;
-notes/methods.md §2.3–2.4).
+"""Streaming statistics of the observed log-ratio and the SNR split (the SNR post, "Signal or
+Noise? An SNR Criterion for Trusting Your Importance Ratio": §3's procedure, Tables 3, 6 and 7).
 
 Δ = logp_trainer − logp_sampler per token. Every statistic accumulates in streaming form, so
 memory is independent of the token count:
@@ -19,7 +19,8 @@ Public API
   BinnedMoments(n_bins, k): per-bin means and co-moments of k variables (ground truth α, β)
   shrink_kwargs(table, bounds) -> kwargs of build_objective("snr_shrink", ...)
 
-Three-job bound rule (methods.md §2.3; formula FOUND, definitions DERIVED), per bin b:
+Three-job bound rule (SNR post §4, "Placement": the combination is the post's; the definition of
+each bound is DERIVED, i.e. this harness's reading), per bin b:
   u = min(max(u_noise, u_signal), u_ESS),  l = max(min(l_noise, l_signal), l_ESS)
   u_noise = exp(q_{noise_q}(Δ_cal | b))          default noise_q = 0.995 (DERIVED: footnote 5
   l_noise = exp(q_{1−noise_q}(Δ_cal | b))         of the post is unknown)
@@ -598,7 +599,7 @@ class SNRSplit:
 def snr_split(
     delta_cal, conf_cal, delta_live, conf_live, edges: Sequence[float] = CONF_EDGES
 ) -> pd.DataFrame:
-    """SNR post §2.3, steps 1–3 (Table 6): per bin of trainer confidence,
+    """SNR post §3, steps 1–3 (Table 6): per bin of trainer confidence,
     Var_β = var(Δ_cal), Var_r = var(Δ_live), Var_α = max(Var_r − Var_β, 0), SNR = Var_α/Var_β,
     λ = SNR/(1 + SNR). Streaming underneath; arrays of any length."""
     s = SNRSplit(edges)

@@ -5,7 +5,7 @@ each problem to `train` or `eval` by a hash of its canonical key, so the two spl
 for every seed (about `eval_frac` of the problem space is held out). Prompts, answers and
 solutions of the procedural tasks use only `harness.models.CHAR_ALPHABET`, so the character
 tokenizer covers them. `solution` is a reference solver trace: the warm-start SFT target and the
-privileged information of the self-distillation teacher (OPSD, notes/methods.md §4).
+privileged information of the self-distillation teacher (OPSD; arXiv 2609.38995).
 
     task = build(TASKS, "arithmetic", "task", digits=2, ops="+-")
     problems = task.sample(16, "train", seed=0)
@@ -45,8 +45,8 @@ class Problem:
     info: dict = field(default_factory=dict, compare=False)
 
 
-# OPSD's teacher sees the reference solution (seed 003); warm-start recipes with privileged_frac
-# > 0 train on this format too, so the teacher is in distribution (issue 16)
+# OPSD's teacher sees the reference solution (arXiv 2609.38995); warm-start recipes with
+# privileged_frac > 0 train on this format too, so the teacher is in distribution
 TEACHER_PROMPT = "Reference solution: {solution}\n{prompt}"
 
 

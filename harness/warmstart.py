@@ -1,9 +1,9 @@
-"""Task models: a small Llama trained from scratch by SFT on prompt + solver trace (issue 6).
+"""Task models: a small Llama trained from scratch by SFT on prompt + solver trace.
 
 The base policy should be partly competent (10–60% eval accuracy when sampled at T = 1) with a
 minority of uncertain "fork" tokens, so that GRPO has signal and noise has forks to hit.
 
-The default recipes ship with the project (issue 12): `harness/task_models/<recipe hash>/` holds
+The default recipes ship with the project: `harness/task_models/<recipe hash>/` holds
 the fp16 weights, and `manifest.json` their weights checksum (`weights_sha`) and base
 evaluation. Those files are the canonical models that results cite: the same recipe trained on
 another CPU can differ in its last bits (kernels differ), so a recipe hash alone does not pin a
@@ -63,22 +63,21 @@ COMMON = dict(
     weight_decay=0.01,
     wrong_frac=0.0,
     # share of SFT examples whose prompt carries the reference solution (tasks.TEACHER_PROMPT):
-    # an OPSD teacher in distribution (issue 16); 0 for the shipped recipes
+    # an OPSD teacher in distribution; 0 for the shipped recipes
     privileged_frac=0.0,
     seed=0,
 )
-# arithmetic: 2.9M params, 1000 SFT steps (~6.5 min on 1 quiet CPU core) stop inside the phase
-# where the model is learning carries: eval acc ≈ 0.4 at T = 1, ~4% fork tokens, and clean GRPO
-# (16 prompts x 8, AdamW 1e-4) gains > 0.15 within 300 steps. countdown (3 numbers ≤ 10): same
-# shape and 1000 steps (~9 min): eval acc ≈ 0.18, ~20% fork tokens; clean GRPO 0.19 → 0.36 in 300
-# steps (results/LOG.md).
+# The step count puts the base policy inside the 10–60% band with forks left to hit: with 2.9M
+# params and the LR decayed to 0, arithmetic's SFT reaches eval acc ≈ 0.31 at T = 1 with ~6% fork
+# tokens at 400 steps (0.10 at 300; 0.61 and ~3% forks at 600); countdown (3 numbers ≤ 10), same
+# shape, ≈ 0.24 with ~18% forks at 600 steps (seed spread: results/LOG.md).
 RECIPES = {
     "arithmetic": dict(COMMON, steps=400, task_kwargs=dict(digits=2, ops="+-")),
     "countdown": dict(COMMON, steps=600, task_kwargs=dict(n_numbers=3, max_number=10)),
 }
-# The arithmetic default until session 2 (0.88M params, acc ≈ 0.37): the committed training
-# figures in results/ used it, and it is issue 9's "4-layer d = 128 tiny Llama".
-# load_task_model("arithmetic", **SMALL_ARITHMETIC) rebuilds it (same recipe hash as then).
+# A smaller arithmetic model (0.88M params: 4 layers, d = 128, constant LR), recipe hash
+# 2ba4eb992777: `bench_step --model tiny` uses it, and results/README.md names it for the archived
+# training figures. load_task_model("arithmetic", **SMALL_ARITHMETIC) rebuilds it.
 SMALL_ARITHMETIC = dict(
     hidden_size=128,
     intermediate_size=384,
@@ -89,7 +88,7 @@ SMALL_ARITHMETIC = dict(
     decay="constant",
 )
 # Fields added after recipe version 1, with the value version 1 implied: a recipe that keeps that
-# value hashes as it did then (so "2ba4eb992777" still names SMALL_ARITHMETIC's recipe).
+# value hashes as a version-1 recipe (so "2ba4eb992777" names SMALL_ARITHMETIC's recipe).
 V1_IMPLIED = {"decay": "constant", "privileged_frac": 0.0}
 DECAYS = ("cosine", "constant")
 MODEL_KEYS = (

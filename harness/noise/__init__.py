@@ -1,5 +1,5 @@
-"""Noise models: controlled engine noise β injected into the sampler μ (issue 3;
-notes/noise-models.md). The observed sampler/trainer log-ratio is α (policy movement) + β.
+"""Noise models: controlled engine noise β injected into the sampler μ. The observed
+sampler/trainer log-ratio is α (policy movement) + β (the SNR post, §1).
 
 Registry `NOISE` (name -> class; kwargs are the constructor's, checked at build time):
   layer    LayerNoise(sigma=2e-3, layers=None, inject_at=None, mode="norm", seed=0,

@@ -1,9 +1,10 @@
 """`batch`: batch-composition-dependent β′ (Thinking Machines, "Defeating Nondeterminism in LLM
 Inference", 2025). GPU kernels pick their reduction strategy (split-K, split-KV) by batch shape,
-so one sequence's numerics depend on what it is batched with. CPU kernels here are batch-invariant
-(notes/noise-models.md §3.3), so the effect is injected: relative residual-stream noise as in
-`layer`, keyed by (seed, layer, prefix hash, batch key). The same batch gives the same β′; the
-same sequence in a different batch gets a different β′.
+so one sequence's numerics depend on what it is batched with. The CPU kernels are batch-invariant
+at model level (a sequence's log-probs are bitwise equal alone and in a padded batch), so the
+effect is injected: relative residual-stream noise as in `layer`, keyed by (seed, layer, prefix
+hash, batch key). The same batch gives the same β′; the same sequence in a different batch gets a
+different β′.
 """
 
 from __future__ import annotations

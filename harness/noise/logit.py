@@ -1,7 +1,7 @@
 """`logit`: additive noise on the final logits, Gaussian or heavy-tailed Student-t.
 
 To first order Δlog p_y = ε_y − Σ_j p_j ε_j, so Var(Δlog p_y) = σ²(1 − 2p_y + ‖p‖²) — the gate
-law: confident tokens are almost immune (notes/noise-models.md §3.1).
+law (the SNR post's softmax gate, §2): confident tokens are almost immune.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`routing`: MoE router-logit noise with the family's own selection rule, recording the chosen
 experts; `replay`: R3 for the trainer (Ma et al., arXiv 2510.11370) — forced recorded indices,
-gate weights from the trainer's own logits (notes/noise-models.md §2).
+gate weights from the trainer's own logits.
 
 transformers 5.x routers live at `layers[i].mlp.gate` and return (logits [T,E], weights [T,k],
 indices [T,k]); a forward hook replaces that tuple, so no MoE block is patched. Families:

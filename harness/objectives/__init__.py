@@ -1,4 +1,4 @@
-"""Policy objectives on the correction grid (issue 4): `build_objective(name, **kwargs)`.
+"""Policy objectives on the correction grid: `build_objective(name, **kwargs)`.
 
     obj = build_objective("tis", cap=2.0, level="sequence")
     out = obj(logp, batch)          # logp: log π_θ of the sampled tokens [B, T], with grad

@@ -1,4 +1,4 @@
-"""Calibrated Clipping for full-pipeline FP8 RL (arXiv 2609.22870); notes/methods.md §3.2.
+"""Calibrated Clipping for full-pipeline FP8 RL (arXiv 2609.22870).
 
 A PPO/DAPO clip whose window [L, H] is state. Every `obj.calibrate_every` steps the training loop
 runs a high-precision shadow pass (π_θ and π_old recomputed at BF16 on the same batch) and calls

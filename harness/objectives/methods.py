@@ -1,4 +1,4 @@
-"""Named methods of the grid (issue 4), each a few parts of `core`; `grid` composes new points.
+"""Named methods of the grid, each a few parts of `core`; `grid` composes new points.
 
 Windows of clip methods are given as eps_low/eps_high around 1; bands of mask/clamp methods as
 absolute lo/hi. Every builder also takes aggregation / rejected_in_denominator / norm_len
@@ -302,7 +302,7 @@ def per_bin(x: float | Sequence[float], n_bins: int) -> Tensor:
 
 
 class SNRShrink(PolicyObjective):
-    """SNR post (methods.md §2.3, DERIVED): w = clip(r^λ_b, l_b, u_b) per bin b of p_t, clamp-style.
+    """SNR post §4 (DERIVED): w = clip(r^λ_b, l_b, u_b) per bin b of p_t, clamp-style.
 
     State (lam, lower, upper, one value per bin) is what the measurement procedure fills: pass
     them as kwargs or `load_state_dict` them. `adaptive`: the post's method in training. The

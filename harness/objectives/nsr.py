@@ -1,16 +1,18 @@
 """NSR: Near-boundary Stochastic Rescue (arXiv 2605.22703) over ppo_clip or gspo.
 
-Formulation DERIVED in notes/methods.md §1.2. On the clipped set C = {A > 0, r > hi} ∪
-{A < 0, r < lo} let x = hi/r (upper) or r/lo (lower), the distance factor in (0, 1). Draw
-u ~ U(1−σ, 1] and rescue iff u ≤ x (u·r ≤ hi, or r/u ≥ lo): P = clip((x − (1−σ))/σ, 0, 1),
-= (1+ε_h)/r and r/(1−ε_l) for σ = 1. A rescued token takes the unclipped loss −A·sg(w)·r with
-w = 1 (`unclipped`) or w = u (`perturbed`; on the lower side u is the log-mirror of the upper
-u·r, because the literal r/u has infinite mean for σ = 1); E[u·1{u ≤ x}] = (x² − (1−σ)²)₊/2σ.
-Modes: `stochastic`; `deterministic` uses the expected weight (same mean gradient, no draws);
-`push` is the negative control: in-bound tokens of the gradient-carrying side are clipped iff
-u < x' with x' = r/hi (A > 0) or lo/r (A < 0) (use σ < 1 so only near-edge tokens move).
-Draws come from a seeded CPU generator (same decisions on any device; its state is checkpointed);
-gspo draws once per sequence.
+Formulation DERIVED: the mechanism is the paper's as secondary readings of its full text give it
+(multiply the ratio by uniform noise; keep the token if it falls back inside the window, else keep
+it clipped; expected gradient decay ≈ O(1/r²)); the noise law and hyperparameters are not public.
+On the clipped set C = {A > 0, r > hi} ∪ {A < 0, r < lo} let x = hi/r (upper) or r/lo (lower),
+the distance factor in (0, 1). Draw u ~ U(1−σ, 1] and rescue iff u ≤ x (u·r ≤ hi, or
+r/u ≥ lo): P = clip((x − (1−σ))/σ, 0, 1), = (1+ε_h)/r and r/(1−ε_l) for σ = 1. A rescued token
+takes the unclipped loss −A·sg(w)·r with w = 1 (`unclipped`) or w = u (`perturbed`; on the lower
+side u is the log-mirror of the upper u·r, because the literal r/u has infinite mean for σ = 1);
+E[u·1{u ≤ x}] = (x² − (1−σ)²)₊/2σ. Modes: `stochastic`; `deterministic` uses the expected weight
+(same mean gradient, no draws); `push` is the negative control: in-bound tokens of the
+gradient-carrying side are clipped iff u < x' with x' = r/hi (A > 0) or lo/r (A < 0) (use σ < 1 so
+only near-edge tokens move). Draws come from a seeded CPU generator (same decisions on any device;
+its state is checkpointed); gspo draws once per sequence.
 """
 
 from __future__ import annotations
