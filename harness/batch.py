@@ -1,6 +1,6 @@
 """Per-token bookkeeping shared by every module: the three policies and the four ratios.
 
-Names follow the math (SNR post, Table 1; notes/methods.md §2.4):
+Names follow the math (SNR post, Table 1):
   logp      log π_θ(y_t)      trainer at the current weights (carries grad during training)
   logp_old  log π_old(y_t)    trainer recompute at the behaviour weights
   logp_mu   log μ(y_t)        the sampler (inference engine), as recorded at sampling time

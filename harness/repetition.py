@@ -1,4 +1,4 @@
-"""Repetition detector and exit-mass metrics of OPSD (arXiv 2609.38995, Table 2; methods.md §4).
+"""Repetition detector and exit-mass metrics of OPSD (arXiv 2609.38995, Table 2).
 
 Definitions, for a response x_0..x_{n-1} and a period 2 ≤ ℓ ≤ 50:
 - periodic segment: a maximal x_s..x_e with x_t = x_{t−ℓ} for s+ℓ ≤ t ≤ e, length L = e−s+1 > ℓ;
@@ -6,11 +6,12 @@ Definitions, for a response x_0..x_{n-1} and a period 2 ≤ ℓ ≤ 50:
 - terminal loop: a mature repetition that reaches the last token (e = n−1);
 - copy token c_t = x_{t−ℓ}; first copy: positions s+ℓ..s+2ℓ−1; exit mass 1 − p_{t,copy}.
 
-Detector (the paper's derived implementation): for each ℓ, a maximal run [a, b] of x_t = x_{t−ℓ}
-gives s = a−ℓ, e = b. Overlaps are resolved toward the smallest (primitive) period: a segment of
-period ℓ' lying inside a kept segment of a smaller period ℓ is dropped. (Inside an ℓ-repetition
-every multiple kℓ yields a segment within [s, e], never beyond it; a longer-period loop that merely
-contains a short inner repetition is kept, as a distinct repetition.)
+Detector (DERIVED: the paper defines the segments, not how to find them): for each ℓ, a maximal
+run [a, b] of x_t = x_{t−ℓ} gives s = a−ℓ, e = b. Overlaps are resolved toward the smallest
+(primitive) period: a segment of period ℓ' lying inside a kept segment of a smaller period ℓ is
+dropped. (Inside an ℓ-repetition every multiple kℓ yields a segment within [s, e], never beyond
+it; a longer-period loop that merely contains a short inner repetition is kept, as a distinct
+repetition.)
 """
 
 from __future__ import annotations

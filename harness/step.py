@@ -1,4 +1,4 @@
-"""One GRPO step, written once, around the three policies (issue 13).
+"""One GRPO step, written once, around the three policies.
 
     batch, ro = collect(sampler, old_policy, prompts, reward, sampling, seed=..)   # μ, r, A, π_old
     batch, metrics, skipped = update(policy, objective, batch, ro, schedule, opt, grad_clip)

@@ -1,4 +1,4 @@
-"""OPSD pointwise-clipped forward KL (arXiv 2609.38995 §2; notes/methods.md §4, FOUND).
+"""OPSD pointwise-clipped forward KL (Huang et al., arXiv 2609.38995 §2).
 
 Unlike the policy objectives this one takes logits, so its call signature differs:
 
