@@ -1,4 +1,4 @@
-"""CTranslate2 vs HF as the sampler μ: rollout time, and what a weight sync costs (issue 17).
+"""CTranslate2 vs HF as the sampler μ: rollout time, and what a weight sync costs.
 
     python benchmarks/bench_ct2.py [--rounds 5 --threads 1]
 

@@ -1,5 +1,4 @@
-"""Achieved FLOP/s of a trainer forward+backward on SmolLM2-135M vs this CPU's fp32 matmul peak
-(issue 9, item 5).
+"""Achieved FLOP/s of a trainer forward+backward on SmolLM2-135M vs this CPU's fp32 matmul peak.
 
     python benchmarks/bench_flops.py [--threads 1 --pairs 5]
 

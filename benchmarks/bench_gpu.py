@@ -1,4 +1,4 @@
-"""GRPO step time, CPU vs CUDA side by side in one run (issue 18).
+"""GRPO step time, CPU vs CUDA side by side in one run.
 
     python benchmarks/bench_gpu.py --devices cpu,cuda --dtype fp32,bf16 --steps 3 \\
         --json results/bench/gpu.json

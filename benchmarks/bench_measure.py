@@ -1,4 +1,4 @@
-"""Streaming SNR statistics throughput (issue 5): 1e7 synthetic tokens through the calibration
+"""Streaming SNR statistics throughput: 1e7 synthetic tokens through the calibration
 stream (Table 3 / 7 accumulators, fork histogram, gate, sequence ESS) and through the live stream
 with the ground-truth α/β moments, fed in rollout-sized batches. Goal: ≤ 10 s per 1e7 tokens on
 the 2-core CPU; memory independent of the token count.

@@ -3,7 +3,7 @@
 Every config runs once per round (interleaved, so machine load hits all alike); each ratio is
 taken within a round and reported as min/median/max over rounds. Writes results/bench/noise.json.
 Prefill = one forward over [B, S]; decode = one KV-cache step [B, 1] after that prefill.
-Goals (issue 3): `layer` on every layer ≤ 1.15×, FP8 weight-only ≈ 1.0× after the one-time
+Goals: `layer` on every layer ≤ 1.15×, FP8 weight-only ≈ 1.0× after the one-time
 quantisation, routing ≤ 1.10× (on the upcycled MoE, against the clean MoE).
 
     .venv/bin/python benchmarks/bench_noise.py [--batch 4 --seq 128 --repeats 7 --threads 2]

@@ -1,4 +1,4 @@
-"""Forward + backward time of every objective on a [B, T] batch (issue 4 target: ≤ 50 ms at 64×512).
+"""Forward + backward time of every objective on a [B, T] batch (target: ≤ 50 ms at 64×512).
 
     python benchmarks/bench_objectives.py [--batch 64] [--tokens 512] [--vocab 1024] [--reps 30]
 

@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start(cwd: Path, out: Path, steps: int, seed: int, threads: int) -> subprocess.Popen:
-    # eval_n=256, 24 tokens, no mechanism check: the defaults before issue 16 (its fixed
-    # 512-problem eval set, the task's own token budget, mechanism.json), so both do the same
+    # eval_n=256, 24 tokens, no mechanism check: settings an earlier revision runs too (it may
+    # lack the fixed 512-problem eval set, the task's own token budget, mechanism.json), so both
+    # sides do the same work
     cmd = [sys.executable, "-m", "harness.train", "task=countdown", f"steps={steps}",
            f"seed={seed}", "eval_n=256", "rollout.max_new_tokens=24", "++mechanism_batches=0",
            "progress=false", f"out={out}"]  # fmt: skip

@@ -1,17 +1,16 @@
-"""Step time of ratiolab's GRPO step vs TRL's GRPOTrainer on the same work (issues 9, 15).
+"""Step time of ratiolab's GRPO step vs TRL's GRPOTrainer on the same work.
 
     python benchmarks/bench_step.py --model tiny --pairs 7
     python benchmarks/bench_step.py --model task-model --pairs 7
     python benchmarks/bench_step.py --model smollm2-135m --pairs 5
     python benchmarks/bench_step.py --model task-model --work eos --task countdown --pairs 7
 
-Same work on both sides. `--work fixed` (issue 9): 8 prompts × 4 generations, 32 new tokens
-(EOS disabled on both, so every row is 32 tokens). `--work eos` (issue 15): the default training
+Same work on both sides. `--work fixed`: 8 prompts × 4 generations, 32 new tokens
+(EOS disabled on both, so every row is 32 tokens). `--work eos`: the default training
 config's 16 prompts × 8, the task's token budget, EOS on, so rows end at the task's own answer
 lengths and each side pays for finished rows and padding as it really does; the report gives
 the share of decode and trainer positions that are padding or finished rows. Both: T = 1, no
-top-k/top-p,
-`ppo_clip` with ε = 0.2/0.28 and token-mean aggregation (TRL: loss_type="dapo", beta=0,
+top-k/top-p, `ppo_clip` with ε = 0.2/0.28 and token-mean aggregation (TRL: loss_type="dapo", beta=0,
 num_iterations=1), fp32, one AdamW step with grad-norm clip 1.0, no noise. TRL runs without
 gradient checkpointing (its default is on, which is slower), so the comparison is against TRL's
 fastest configuration for this work.
@@ -25,9 +24,10 @@ Variant `loop` is what `harness.train` does at staleness 0 with one minibatch: t
 doubles as π_old (`collect(old_policy=None)`: π_old := detached π_θ, with p_t / entropy / Σp²
 from the same pass), as TRL does when each rollout batch is used once. Variant `recompute`
 passes the trainer as π_old to `collect`: the separate π_old pass the loop runs when α is
-configured. Variant `before` is `recompute` with the engine's issue-9 fast paths off (shared
-prompt prefill/prefix, the lean decode loop of harness/decode.py); `noprune` is `loop` with
-finished rows kept in the decode batch (before issue 15). All interleaved in the same run.
+configured. Variant `before` is `recompute` with every fast path of the engine off (shared
+prompt prefill/prefix, the lean decode loop of harness/decode.py, dropping finished rows from the
+decode batch); `noprune` is `loop` with finished rows kept in the decode batch. All interleaved
+in the same run.
 After the pairs, one `loop` step runs under the torch profiler: its time inside GEMM kernels over
 TRL's median step is `gemm_floor_ratio`, the lowest ratio reachable without faster GEMMs (TRL runs
 the same GEMMs). Writes results/bench/step_<model>[_eos_<task>].json
@@ -94,8 +94,8 @@ INSTRUCTION = (
 
 
 def load(spec: str, task: str):
-    """tiny: the issue's 4-layer d = 128 Llama (SMALL_ARITHMETIC); task-model: the shipped task
-    model of `task` (arithmetic or countdown)."""
+    """tiny: the 4-layer d = 128 arithmetic task model (SMALL_ARITHMETIC); task-model: the shipped
+    task model of `task` (arithmetic or countdown)."""
     if spec in ("tiny", "task-model"):
         from harness.warmstart import SMALL_ARITHMETIC, load_task_model
 
@@ -112,7 +112,7 @@ class RatiolabStep:
     """One GRPO step of `harness.train.run` (clean, staleness 0, one minibatch), metrics aside.
 
     The variants share one model/optimizer/sampler state (the work does not depend on the
-    weight values), which keeps SmolLM2 runs within this machine's memory."""
+    weight values), which keeps SmolLM2 runs within a small machine's memory."""
 
     def __init__(self, model, tok, work: Work):
         self.model = model
@@ -131,8 +131,8 @@ class RatiolabStep:
 
     def __call__(self, problems, prompts, seed: int, variant: str) -> dict[str, float]:
         off = {
-            "before": ("_can_share_prefix", "_can_decode_lean", "_can_prune"),  # pre-issue 9
-            "noprune": ("_can_prune",),  # finished rows keep decoding (before issue 15)
+            "before": ("_can_share_prefix", "_can_decode_lean", "_can_prune"),  # every fast path
+            "noprune": ("_can_prune",),  # finished rows keep decoding
         }.get(variant, ())
         for eng in (self.trainer, self.sampler):
             for name in off:
@@ -267,14 +267,14 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="tiny",
-        help="tiny (4 layers, d = 128: the issue's tiny Llama, session 1's task model) | "
+        help="tiny (SMALL_ARITHMETIC: the arithmetic task model with 4 layers, d = 128) | "
         "task-model (the default arithmetic task model, 6 layers, d = 192) | smollm2-135m",
     )
     ap.add_argument(
         "--work",
         default="fixed",
         choices=("fixed", "eos"),
-        help="fixed: 8 prompts × 4, 32 tokens, EOS off (issue 9's work); eos: the default "
+        help="fixed: 8 prompts × 4, 32 tokens, EOS off; eos: the default "
         "training config (16 × 8, the task's token budget), EOS on, the task's own answer lengths",
     )
     ap.add_argument("--task", default="arithmetic", choices=("arithmetic", "countdown"))
@@ -290,8 +290,8 @@ def main() -> None:
         default="loop,recompute,before",
         help="ratiolab variants: loop (as harness.train runs at staleness 0 with one minibatch: "
         "the training pass doubles as π_old), recompute (a separate π_old pass, as with α "
-        "configured), before (recompute with the issue-9 engine fast path off), noprune "
-        "(loop with finished rows kept in the decode batch: before issue 15)",
+        "configured), before (recompute with every engine fast path off), noprune "
+        "(loop with finished rows kept in the decode batch)",
     )
     ap.add_argument("--trl-gradient-checkpointing", action="store_true")
     ap.add_argument("--out", default=None)

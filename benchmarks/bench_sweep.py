@@ -1,4 +1,4 @@
-"""Sweep throughput: one 1-thread run per core vs one run at a time with every core (issue 15).
+"""Sweep throughput: one 1-thread run per core vs one run at a time with every core.
 
     python benchmarks/bench_sweep.py --steps 60 --rounds 2
 
