@@ -1,6 +1,6 @@
-"""Layer amplification (notes/noise-models.md §4.2): divergence per decoder layer after one
-relative injection (σ) at layer 0 and at the embedding output. Left: relative divergence
-‖Δh_l‖/‖h_l‖ / σ; right: absolute growth ‖Δh_l‖ / ‖Δ injected‖ (the post's "×N" metric).
+"""Layer amplification (the SNR post's residual-stream compounding, §2): divergence per decoder
+layer after one relative injection (σ) at layer 0 and at the embedding output. Left: relative
+divergence ‖Δh_l‖/‖h_l‖ / σ; right: absolute growth ‖Δh_l‖ / ‖Δ injected‖ (the post's "×N" metric).
 
     python -m analysis.layer_amplification [results/measure]
 """

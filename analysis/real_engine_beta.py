@@ -1,5 +1,5 @@
-"""Figure and table: β from a real second engine (CTranslate2) beside injected FP8 β (issue 17),
-and the precision β of results/precision_beta (issue 18: bf16/bf16, bf16/fp32, fp32/fp32).
+"""Figure and table: β from a real second engine (CTranslate2) beside injected FP8 β,
+and the precision β of results/precision_beta (bf16/bf16, bf16/fp32, fp32/fp32).
 
     python -m analysis.real_engine_beta [results/real_engine_beta] [--compare results/measure]
     python -m analysis.real_engine_beta results/precision_beta --compare results/measure
@@ -11,7 +11,7 @@ confidence-invariant ε with |log k| falling toward confident bins is the premis
 (c) the SNR post's anatomy numbers (Table 3): median / mean, the top 1% of tokens' share of
 Σ|Δ|, corr(p_t, |Δ|). Writes comparison.csv and fig_real_engine_beta.png/.pdf into the first
 folder (or --out). The main job (`make demo`) draws it into results/measure/: its FP8 run beside
-the committed CTranslate2 runs.
+the CTranslate2 runs of results/real_engine_beta.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tests the presets pre-register (issue 16): paired t, TOST equivalence, Fisher's exact.
+"""The tests the presets pre-register: paired t, TOST equivalence, Fisher's exact.
 
 Small pure functions on arrays (no scipy in the project's dependencies): the Student-t
 distribution through the regularised incomplete beta function (a continued fraction),
