@@ -1,4 +1,4 @@
-"""Figure: CIS (confidence-aware IS cap) vs TIS (constant cap) under heavy-tailed β (seed 004).
+"""Figure: CIS (confidence-aware IS cap, arXiv 2609.32444) vs TIS (constant cap), heavy-tailed β.
 
 python -m analysis.cis_vs_tis [--results DIR]   # reads results/<exp>/summary.csv
 """

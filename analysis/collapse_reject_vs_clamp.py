@@ -1,4 +1,4 @@
-"""Figure: collapse under heavy-tailed β — reject vs clamp vs trust vs shrink (SNR post §2).
+"""Figure: collapse under heavy-tailed β — reject vs clamp vs trust vs shrink (SNR post §4).
 
 python -m analysis.collapse_reject_vs_clamp [--results DIR]   # reads results/<exp>/summary.csv
 """

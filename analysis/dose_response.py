@@ -1,4 +1,4 @@
-"""Figure: dose-response over β for the experiments whose single noise level gave a null (issue 16).
+"""Figure: dose-response over β for the experiments whose single noise level gave a null.
 
 python -m analysis.dose_response [--results DIR]   # reads results/<exp>/summary.csv, mechanism.csv
 

@@ -1,4 +1,4 @@
-"""Figure: entropy surge when the clip acts on π_θ/μ, π_old := μ (Calibrated Clipping §3).
+"""Figure: entropy surge, clip on π_θ/μ with π_old := μ (Calibrated Clipping, arXiv 2609.22870).
 
 python -m analysis.fp8_entropy_surge [--results DIR]   # reads results/<exp>/summary.csv
 """
@@ -9,7 +9,7 @@ from analysis.common import set_theme
 from analysis.runs import load_summary, panel_row, results_root, smooth
 
 EXP = "fp8_entropy_surge"
-ARMS = ["π_old := μ (std clip)", "π_old recomputed (std clip)"]  # the β stand-in (issue 16)
+ARMS = ["π_old := μ (std clip)", "π_old recomputed (std clip)"]  # the β stand-in
 ARMS += ["high precision", "FP8 (std clip)", "FP8 E5M2 W8A8 (std clip)", "FP8 + TIS"]
 ARMS += ["FP8 + calibrated", "FP8 + CIS"]
 PANELS = [  # column, title, y label, arms shown

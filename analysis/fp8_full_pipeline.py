@@ -1,4 +1,4 @@
-"""Figure: full-pipeline FP8, calibrated vs standard clip (Calibrated Clipping, seed 002).
+"""Figure: full-pipeline FP8, calibrated vs standard clip (Calibrated Clipping, arXiv 2609.22870).
 
 python -m analysis.fp8_full_pipeline [--results DIR]   # reads results/<exp>/summary.csv
 """

@@ -1,4 +1,4 @@
-"""Figure: NSR vs hard clip vs deterministic decay vs push-zone control (seed NSR §1).
+"""Figure: NSR vs hard clip vs deterministic decay vs push-zone control (NSR, arXiv 2605.22703).
 
 python -m analysis.nsr_vs_decay [--results DIR]   # reads results/<exp>/summary.csv
 """

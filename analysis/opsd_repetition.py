@@ -1,4 +1,4 @@
-"""Figure: repetition under on-policy self-distillation, clipped vs exact forward KL (OPSD §4).
+"""Figure: repetition under self-distillation, clipped vs exact forward KL (OPSD, arXiv 2609.38995).
 
 python -m analysis.opsd_repetition [--results DIR]   # reads results/<exp>/summary.csv
 """
