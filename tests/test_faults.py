@@ -1,4 +1,4 @@
-"""Fault injection (issue 14): SIGKILL a training run at 10 points — at random times, inside
+"""Fault injection: SIGKILL a training run at 10 points — at random times, inside
 checkpoint writes and inside metrics writes — resuming each time; the final metrics.jsonl equals
 an uninterrupted run's line for line (timings aside), with no duplicated or missing step."""
 

@@ -1,9 +1,9 @@
-"""The real FP8 GEMM next to the emulation (issue 18 item 3): `Fp8Noise(kernel="scaled_mm")`.
+"""The real FP8 GEMM next to the emulation: `Fp8Noise(kernel="scaled_mm")`.
 
-Tolerances measured on this CPU (torch 2.13, tiny-llama, 3 seeds, log-probs of all 99 tokens at
+Tolerances, from torch 2.13 on a CPU (tiny-llama, 3 seeds, log-probs of all 99 tokens at
 4×32 positions): in fp32 the two kernels agree exactly for every scaling (the CPU `_scaled_mm`
 row-wise kernel dequantises and runs the fp32 GEMM; tensor-wise scales go through it too, see
-`fp8_linear` — its own tensor-wise kernel differed by 4e-5 max / 1.4e-7 mean and is ~800× slower);
+`fp8_linear` — its own tensor-wise kernel differs by 4e-5 max / 1.4e-7 mean and is ~800× slower);
 the FP8 noise itself is ~5e-3 mean, 3–5e-2 max.
 In bf16 they differ by bf16 rounding (max 2.1e-2, mean 2.1–2.9e-3: the emulation rounds the
 dequantised operands and each GEMM's output to bf16), while their |Δ| against the clean model

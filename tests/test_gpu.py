@@ -1,4 +1,4 @@
-"""CUDA-only behaviour (issue 18): `gpu`-marked, deselected on CPU CI (`-m "not gpu"`), run by
+"""CUDA-only behaviour: `gpu`-marked, deselected on CPU CI (`-m "not gpu"`), run by
 `pytest -m gpu` and scripts/gpu_check.sh. The device-parametrised equivalence tests (the `device`
 fixture of conftest.py) run their CUDA half there too; this file holds what has no CPU half:
 parity of numbers across devices, the noise field's identity across devices, and the training and
@@ -68,7 +68,7 @@ def test_logit_noise_field_is_the_same_on_cpu_and_cuda(nu):
 def test_trainer_logprobs_cpu_vs_cuda(dtype, tol_mean, tol_max):
     """The same model and tokens scored on CPU and on CUDA. fp32 (TF32 off): agreement to float
     rounding; bf16: within the stated tolerance (per-token mean and max |Δ log π|) — the two
-    devices' bf16 kernels round differently, which is the precision β seed 001 is about."""
+    devices' bf16 kernels round differently: the SNR post's precision β (Table 2)."""
     model, tok = load_model("tiny-llama", dtype=dtype)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # a peaked law, as the trained models have

@@ -30,7 +30,7 @@ def synthetic(rng, var_beta, var_alpha, n_per_bin, live: bool):
 
 
 def test_snr_split_recovers_known_snr_within_10pct():
-    """Acceptance (issue 5): known per-bin Var_α, Var_β, 1e5 tokens per bin → SNR within 10%."""
+    """Acceptance: known per-bin Var_α, Var_β, 1e5 tokens per bin → SNR within 10%."""
     rng = np.random.default_rng(0)
     var_beta = np.array([0.3, 0.1, 0.05, 0.02, 5e-3, 1e-3, 1e-6])  # fork → confident, ~1e5×
     snr = np.array([0.25, 0.5, 1.0, 2.0, 4.0, 3.8, 12.0])  # the post's 3.8 and 12

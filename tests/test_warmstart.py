@@ -29,7 +29,7 @@ TINY = dict(
 )
 # The default arithmetic recipe's base policy (eval n = 512, seed 123, T = 1): 99% prediction
 # intervals for one new build, mean ± t(0.995, 4)·sd·sqrt(1 + 1/5), from the 5 rebuilds (seeds
-# 0–4) in results/warmstart/arithmetic-rebuilds/ (results/LOG.md, 2026-12-01): acc 0.307, 0.264,
+# 0–4) in results/warmstart/arithmetic-rebuilds/ (results/LOG.md): acc 0.307, 0.264,
 # 0.385, 0.281, 0.291 (mean 0.306, sd 0.047); fork fraction 0.064, 0.073, 0.055, 0.059, 0.064
 # (mean 0.063, sd 0.0066). Seeds change the init and the data order, so their spread bounds what
 # last-bit kernel differences between machines can do to one seed.
@@ -182,8 +182,8 @@ def test_recipe_rebuild_lands_in_the_measured_band(cache, capsys):
 
 
 def test_small_arithmetic_recipe_keeps_its_hash():
-    """The committed training figures name the model they used by this hash (results/README.md);
-    a change to the recipe defaults or the hashing must not silently point it elsewhere."""
+    """results/README.md names the archived training figures' model by this hash; a change to
+    the recipe defaults or the hashing must not silently point it elsewhere."""
     recipe = W.resolve_recipe("arithmetic", **W.SMALL_ARITHMETIC)
     assert W.recipe_hash(recipe) == "2ba4eb992777"
     assert recipe["hidden_size"] == 128 and recipe["num_hidden_layers"] == 4
