@@ -74,7 +74,7 @@ def test_logp_mu_is_faithful_chi_square(tiny_llama, ct2_cache, temperature, top_
 
 def test_int8_is_a_real_second_engine(tiny_llama, ct2_cache):
     """int8 GEMMs (int8 weights × quantised activations): a β the float32 engine does not have,
-    of the size the issue measured by hand on the tiny Llama (~1e-2 per token); `int8` and
+    of ~1e-2 per token on the tiny Llama; `int8` and
     `int8_float32` are one computation on CPU."""
     model, tok = tiny_llama
     ro = Ct2Engine(copy.deepcopy(model), tok, compute_type="int8").generate(

@@ -185,7 +185,7 @@ def test_routing_record_and_replay_cut_the_mismatch(tiny_moe):
     assert err_replay < 0.5 * err_plain, (err_plain, err_replay)
 
 
-# --- issue 9 fast path: a shared prompt prefix must not change the numbers ---------------------
+# --- fast path: a shared prompt prefix must not change the numbers --------------------------------
 
 
 def _fast_paths_off(eng: Engine) -> Engine:
@@ -245,7 +245,7 @@ def test_fast_paths_are_off_while_noise_is_attached(tiny_llama):
     assert not Engine(model, tok, kv_cache=False)._can_decode_lean()
 
 
-# --- issue 9 lean decode loop: the model's own numbers, from a static KV cache ----------------
+# --- lean decode loop: the model's own numbers, from a static KV cache ----------------------------
 
 
 def _teacher_forced_lean_logits(model, tok, prompts, forced):
@@ -335,7 +335,7 @@ def test_lean_decode_is_off_where_it_would_not_be_exact(tiny_llama, tiny_moe):
     assert not decode.supports(tiny_moe[0])  # not a dense Llama
 
 
-# --- issue 15: finished rows leave the decode batch, numbers unchanged ------------------------
+# --- finished rows leave the decode batch, numbers unchanged --------------------------------------
 
 
 @pytest.mark.parametrize("V", [7, 99, 49152])
@@ -463,7 +463,7 @@ def test_pruned_decode_on_the_task_model_and_which_noise_may_prune(threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemm_rows_do_not_depend_on_the_batch_size_above_the_prune_floor(threads):
-    """The premise of `prune_floor`: on this machine a row of F.linear(x, W) has the same bits
+    """The premise of `prune_floor`: a row of F.linear(x, W) has the same bits
     in a batch of any M ≥ the floor (SmolLM2's and the task models' K, N). Below the floor MKL
     switches kernels; if this fails on another CPU, raise the floor there."""
     from torch.nn import functional as F
@@ -512,7 +512,7 @@ def test_hf_decode_on_a_pruned_cache_equals_the_full_batch_while_a_padded_row_st
     """The premise of keeping one padded row on the HF path: 20 unpadded + 20 left-padded rows,
     one decode step after pruning to 20 rows. With a padded row kept the live rows' logits equal
     the full batch's bit for bit (with only unpadded rows transformers drops the mask and the
-    bits moved by 9e-8 on this machine: why `keep_rows` keeps one)."""
+    bits move, by ~9e-8 on the tiny Llama: why `keep_rows` keeps one)."""
     from transformers import DynamicCache
 
     from harness.engines import position_ids
