@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check (issue 18): one command on a GPU machine, <= 6 minutes, everything it finds
+# The device check: one command on a GPU machine, <= 6 minutes, everything it finds
 # in $OUT (default ./gpu_check_out): summary.json (also printed), log.txt (every stage's output),
 # gpu_tests.xml, device_tests.xml (junit), bench_gpu.json, fp8_fidelity/. See scripts/gpu/README.md.
 #

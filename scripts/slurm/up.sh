@@ -6,8 +6,9 @@
 #   scripts/slurm/down.sh         # stops only the daemons this script started
 #
 # Every daemon is started by this script in its own session and its PID recorded under
-# $STATE/pids; package scripts are kept from starting services (policy-rc.d). Recipe and
-# failure semantics: shared/notes/slurm.md. Partition `debug` (default), cluster `ratiolab`.
+# $STATE/pids; package scripts are kept from starting services (policy-rc.d). Accounting is
+# what lets submitit's sacct polls see a job killed outside Python (without it the driver waits
+# forever). Partition `debug` (default), cluster `ratiolab`.
 # Exits non-zero with a reason (and the daemon's log tail) when the cluster cannot come up.
 set -euo pipefail
 
