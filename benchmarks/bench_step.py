@@ -86,7 +86,7 @@ def work_for(kind: str, task_name: str, prompts: int | None = None, group: int |
 
 
 EPS_LOW, EPS_HIGH, LR, CLIP = 0.2, 0.28, 1e-6, 1.0
-# smollm2: an instruction prefix so prompts are ~40 tokens (the setting, ≤ 64)
+# smollm2: an instruction prefix so prompts are ~40 tokens (≤ 64, the benchmark's prompt length)
 INSTRUCTION = (
     "You are a careful assistant. Solve the arithmetic problem below, showing the carries digit "
     "by digit, and finish with the final answer on its own line. Problem: "
