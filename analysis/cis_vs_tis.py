@@ -6,7 +6,8 @@ python -m analysis.cis_vs_tis [--results DIR]   # reads results/<exp>/summary.cs
 from __future__ import annotations
 
 from analysis.common import set_theme
-from analysis.runs import load_summary, panel_row, results_root, smooth
+from analysis.panels import panel_row
+from analysis.runs import load_summary, results_root, smooth
 
 EXP = "cis_vs_tis"
 ARMS = ["CIS (λ = 2.3)", "TIS (C = 2)"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from analysis.common import set_theme
-from analysis.runs import load_summary, panel_row, results_root, smooth
+from analysis.panels import panel_row
+from analysis.runs import load_summary, results_root, smooth
 
 EXP = "collapse_reject_vs_clamp"
 ARMS = ["reject (band [0.5, 2])", "reject (mask [0.5, 2])", "trust-unbounded (raw r)"]

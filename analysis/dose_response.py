@@ -17,9 +17,10 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import yaml
 
-from analysis.claims import check_prereg, endpoint_values, run_endpoint, stars
+from analysis.claims import endpoint_values, run_endpoint, stars
 from analysis.common import savefig, set_theme
 from analysis.runs import load_summary, results_root
+from harness.prereg import check_prereg
 
 DOSES = {  # dose experiment -> base experiment, β label, in-run mechanism columns (name, label)
     "nsr_dose": ("nsr_vs_decay", "Gaussian logit-noise σ in μ",

@@ -6,7 +6,8 @@ python -m analysis.fp8_full_pipeline [--results DIR]   # reads results/<exp>/sum
 from __future__ import annotations
 
 from analysis.common import set_theme
-from analysis.runs import load_summary, panel_row, results_root, smooth
+from analysis.panels import panel_row
+from analysis.runs import load_summary, results_root, smooth
 
 EXP = "fp8_full_pipeline"
 ARMS = ["calibrated clip (every 5, EMA 0.5)", "std clip"]

@@ -6,7 +6,8 @@ python -m analysis.nsr_vs_decay [--results DIR]   # reads results/<exp>/summary.
 from __future__ import annotations
 
 from analysis.common import set_theme
-from analysis.runs import load_summary, panel_row, results_root, smooth
+from analysis.panels import panel_row
+from analysis.runs import load_summary, results_root, smooth
 
 EXP = "nsr_vs_decay"
 ARMS = ["hard clip", "NSR", "deterministic decay", "push control"]

@@ -6,7 +6,8 @@ python -m analysis.opsd_repetition [--results DIR]   # reads results/<exp>/summa
 from __future__ import annotations
 
 from analysis.common import set_theme
-from analysis.runs import load_summary, panel_row, results_root, smooth
+from analysis.panels import panel_row
+from analysis.runs import load_summary, results_root, smooth
 
 EXP = "opsd_repetition"
 PANELS = [  # column, title, y label

@@ -18,6 +18,13 @@ import torch
 from torch import Tensor
 
 
+def log_rho(logp_old: Tensor, logp_mu: Tensor) -> Tensor:
+    """log ρ = log π_old − log μ: the trainer at the behaviour weights against the sampler (SNR
+    post, Table 1 row 3). At equal weights it is the engine mismatch β alone; the dials, the
+    mechanism check and the SNR calibration all read it."""
+    return logp_old - logp_mu
+
+
 @dataclass
 class TokenBatch:
     """Response tokens of B sequences and everything the objectives and diagnostics read."""
@@ -45,6 +52,11 @@ class TokenBatch:
                     f"TokenBatch.{f.name} has shape {tuple(v.shape)}, expected {tuple(shape)} "
                     "like `tokens`"
                 )
+
+    @property
+    def log_rho(self) -> Tensor:
+        """log π_old − log μ with π_old the trainer's recompute at the behaviour weights."""
+        return log_rho(self.logp_recompute, self.logp_mu)
 
     @property
     def n_tokens(self) -> int:

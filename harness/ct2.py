@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from harness.engines import Rollout, check_request, copy_weights, encode_prompts, eos_ids
 from harness.logprobs import check_sampling, kept_support, process_logits
 from harness.models import cache_dir, weights_sha
+from harness.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
 
 # CPU compute types: int8_float32 = int8 GEMMs (int8 weights × dynamically quantised int8
 # activations), float32 elsewhere; `int8` resolves to the same on CPU; int16 weights and GEMMs

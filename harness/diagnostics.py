@@ -190,3 +190,34 @@ def identity_check(
         se = float(r.std()) / math.sqrt(n) if n > 1 else 0.0
         tol = 1e-3 + 4.0 * se
     return IdentityCheck(mean_ratio=mean, n_tokens=n, tol=tol)
+
+
+# --- the collapse guard -------------------------------------------------------------------------
+
+
+def collapse_guard() -> dict:
+    """The guard's state at step 1: the first 10 steps' entropies, the best 10-step reward mean,
+    the events so far."""
+    return {"entropy0": [], "best_reward": -math.inf, "events": 0}
+
+
+def check_collapse(guard: dict, m: dict, g) -> dict[str, float]:
+    """Entropy surge (entropy > surge × the first-10-step mean) and reward collapse (10-step
+    reward mean < collapse × the best 10-step mean seen); each flags an event in the metrics."""
+    guard["entropy0"] = (guard["entropy0"] + [m["entropy/mean"]])[:10]
+    rewards = guard.setdefault("recent_reward", [])
+    rewards.append(m["reward/mean"])
+    del rewards[:-10]
+    base = float(np.mean(guard["entropy0"]))
+    recent = float(np.mean(rewards))
+    if len(rewards) == 10:
+        guard["best_reward"] = max(guard["best_reward"], recent)
+    surge = len(guard["entropy0"]) == 10 and m["entropy/mean"] > g.entropy_surge * base
+    collapse = guard["best_reward"] > 0 and recent < g.reward_collapse * guard["best_reward"]
+    if surge or collapse:
+        guard["events"] += 1
+    return {
+        "collapse/entropy_surge": float(surge),
+        "collapse/reward_collapse": float(collapse),
+        "collapse/events": float(guard["events"]),
+    }

@@ -10,7 +10,7 @@ point the loop, the measurement job and the benchmarks use).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -28,33 +28,7 @@ from harness.logprobs import (
     replay_mask,
 )
 from harness.noise import NoiseModel, RoutingNoise, RoutingReplay, forward_context, prefix_hash
-
-
-@dataclass
-class Rollout:
-    """B = n_prompts × n rows; row i*n + j is the j-th sample of prompt i."""
-
-    prompt_ids: Tensor  # [B, P] left-padded
-    prompt_mask: Tensor  # [B, P] 1 on prompt tokens
-    response_ids: Tensor  # [B, T] right-padded with pad_token_id
-    response_mask: Tensor  # [B, T] float, 1 up to and including EOS
-    logp_mu: Tensor  # [B, T] log μ(y_t) under the processed sampling law
-    support: Tensor | None  # [B, T, K] kept token ids (−1 padded); None when nothing truncated
-    prompt_index: Tensor  # [B] index of the prompt each row answers
-    temperature: float = 1.0
-    routing: Tensor | None = None  # [B, S, n_moe_layers, k] experts the sampler chose (R3)
-
-    @property
-    def tokens(self) -> Tensor:
-        return torch.cat([self.prompt_ids, self.response_ids], 1)
-
-    @property
-    def attention_mask(self) -> Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], 1)
-
-    @property
-    def n_prompt(self) -> int:
-        return self.prompt_ids.shape[1]
+from harness.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
 
 
 def sample_rows(probs: Tensor, rows: Tensor, B: int, g: torch.Generator) -> Tensor:
@@ -67,12 +41,44 @@ def sample_rows(probs: Tensor, rows: Tensor, B: int, g: torch.Generator) -> Tens
     return (probs / q[rows]).argmax(-1)
 
 
-def prune_floor() -> int:
-    """The fewest rows a pruned decode batch keeps. MKL's GEMMs give a row the same bits at any
-    batch size M from 16 up with one thread, from 64 up with two (measured on this machine for
-    K, N in 99…49152; below that they switch kernels and the last bits move), so a batch never
-    shrinks below the floor and a live row's numbers equal those of the full batch."""
-    return 16 if torch.get_num_threads() == 1 else 64
+PRUNE_SHAPES = ((192, 576), (576, 192), (576, 1536), (1536, 576))  # (K, N) of the models' GEMMs
+
+
+def prune_floor(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> int:
+    """The fewest rows a pruned decode batch keeps; 0: never prune. A pruned batch is exact only
+    when a GEMM gives a row the same bits at every batch size M it may shrink to. MKL does from
+    M = 16 up with one thread and from M = 64 up with two (below, it switches kernels and the last
+    bits move); other BLAS libraries, CPUs and GPUs need not, so the property is checked here once
+    per (device, dtype, threads), and pruning is off wherever it fails."""
+    return _prune_floor(torch.device(device), dtype, torch.get_num_threads())
+
+
+@cache
+def _prune_floor(device: torch.device, dtype: torch.dtype, threads: int) -> int:
+    floor = 16 if threads == 1 else 64
+    if gemm_rows_batch_invariant(floor, device, dtype):
+        return floor
+    print(
+        f"[engines] GEMM rows change bits with the batch size on {device} ({dtype}, {threads} "
+        "threads): finished rows stay in the decode batch (no pruning)",
+        flush=True,
+    )
+    return 0
+
+
+def gemm_rows_batch_invariant(floor: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether F.linear gives the first rows of a batch the same bits at M = floor, floor + 1,
+    floor + 7 and 2·floor + 8 rows (`PRUNE_SHAPES`; about 1 ms)."""
+    g = torch.Generator().manual_seed(0)
+    M = 2 * floor + 8
+    for K, N in PRUNE_SHAPES:
+        x = torch.randn(M, K, generator=g).to(device, dtype)
+        w = torch.randn(N, K, generator=g).to(device, dtype)
+        full = torch.nn.functional.linear(x, w)
+        for m in (floor, floor + 1, floor + 7):
+            if not torch.equal(torch.nn.functional.linear(x[:m].contiguous(), w), full[:m]):
+                return False
+    return True
 
 
 def keep_rows(live: Tensor, floor: int, padded: Tensor | None = None) -> Tensor:
@@ -98,50 +104,6 @@ def gather_rows(x: Tensor, inv: Tensor) -> Tensor:
     if B == U * n and torch.equal(inv, torch.arange(U, device=inv.device).repeat_interleave(n)):
         return x[:, None].expand(U, n, *x.shape[1:]).reshape(B, *x.shape[1:])
     return x.index_select(0, inv)
-
-
-def encode_prompts(tokenizer, prompts: list[str] | list[list[int]]) -> tuple[Tensor, Tensor]:
-    """Left-pad token lists (or raw strings, tokenized as is) into [N, P] ids and mask."""
-    if not prompts:
-        raise ValueError("generate: no prompts given")
-    ids = [
-        tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p)
-        for p in prompts
-    ]
-    if any(len(x) == 0 for x in ids):
-        raise ValueError("generate: empty prompt")
-    width = max(len(x) for x in ids)
-    out = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, x in enumerate(ids):
-        out[i, width - len(x) :] = torch.tensor(x)
-        mask[i, width - len(x) :] = 1
-    return out, mask
-
-
-def check_request(n: int, max_new_tokens: int, n_prompt: int, max_len: int | None) -> None:
-    """A generate call's sizes, before any compute (both engines)."""
-    if n < 1 or max_new_tokens < 1:
-        raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, {max_new_tokens=}")
-    if max_len is not None and n_prompt + max_new_tokens > max_len:
-        raise ValueError(
-            f"prompt of {n_prompt} tokens + max_new_tokens={max_new_tokens} exceeds the "
-            f"model context of {max_len} tokens; shorten the prompt or max_new_tokens"
-        )
-
-
-def eos_ids(model: PreTrainedModel) -> Tensor:
-    eos = model.config.eos_token_id if model.config.eos_token_id is not None else []
-    return torch.tensor(eos if isinstance(eos, list) else [eos], dtype=torch.long)
-
-
-@torch.no_grad()
-def copy_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
-    """Weight sync: every parameter of `model` from `state` (cast to the model's dtype)."""
-    for name, p in model.named_parameters():
-        if name not in state:
-            raise KeyError(f"weight sync: parameter {name} missing from the source weights")
-        p.copy_(state[name])
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -256,7 +218,8 @@ class Engine:
         # (`_can_prune`), never below `prune_floor()` rows; the same numbers either way (the
         # sampler's random draws are made for all B rows)
         live = torch.arange(B, device=dev)
-        prune, floor = self._can_prune(), prune_floor()
+        floor = prune_floor(dev, next(self.model.parameters()).dtype)
+        prune = self._can_prune() and floor > 0
         toks, mus, masks, sups = [], [], [], []
         # the law sampled from is the raw one when T = 1 and nothing is truncated: one log-softmax
         plain = temperature == 1.0 and not truncated
@@ -449,17 +412,27 @@ class Engine:
         with `stats`, the detached `p_t`, `entropy`, `p_sq_sum` of the same pass. The law is
         softmax(z/T) at the rollout's temperature, restricted to the sampler's top-k/top-p
         support with `mask_replay`. An engine with a `replay` noise model replays the sampler's
-        routes of exactly these rows (R3)."""
+        routes of exactly these rows (R3), for this call only: any other forward of the model
+        (evaluation, generation, another rollout's rows) routes by its own gate."""
         rows = torch.arange(ro.response_ids.shape[0]) if rows is None else rows
         rows = rows.to(ro.response_ids.device)
         replay = self._noise_of(RoutingReplay)
-        if replay is not None:
-            if ro.routing is None:
-                raise ValueError(
-                    "routing replay (R3) needs the sampler's routes: the sampler must carry "
-                    "`routing` noise (noise=routing) on an MoE model"
-                )
-            replay.set_indices(ro.routing[rows])
+        if replay is None:
+            return self._logp(ro, rows, grad, stats, mask_replay)
+        if ro.routing is None:
+            raise ValueError(
+                "routing replay (R3) needs the sampler's routes: the sampler must carry "
+                "`routing` noise (noise=routing) on an MoE model"
+            )
+        replay.set_indices(ro.routing[rows])
+        try:
+            return self._logp(ro, rows, grad, stats, mask_replay)
+        finally:
+            replay.indices = None
+
+    def _logp(
+        self, ro: Rollout, rows: Tensor, grad: bool, stats: bool, mask_replay: bool
+    ) -> dict[str, Tensor]:
         tokens, attn = ro.tokens[rows], ro.attention_mask[rows]
         support = ro.support[rows] if mask_replay and ro.support is not None else None
         if not grad:
@@ -489,43 +462,3 @@ class Engine:
         copy_weights(self.model, state)
         for n in self.noise:
             n.on_weight_sync()
-
-
-# --- the sampler's inference engine (`engine.sampler`): one small table, one check -----------
-
-
-def _hf(model, tokenizer, noise, kv_cache: bool, ct2_compute_type: str) -> Engine:
-    return Engine(model, tokenizer, noise=noise, kv_cache=kv_cache)
-
-
-def _ct2(model, tokenizer, noise, kv_cache: bool, ct2_compute_type: str):
-    from harness.ct2 import Ct2Engine
-
-    return Ct2Engine(model, tokenizer, compute_type=ct2_compute_type)
-
-
-ENGINES = {"hf": _hf, "ct2": _ct2}  # μ: this process's HF model | CTranslate2 (harness.ct2)
-
-
-def check_sampler(name: str, compute_type: str, noise: list[str], sampler_dtype: str) -> None:
-    """`engine.sampler` and what it allows, before any compute: ct2 brings its own β (kernels,
-    quantisation), so no noise is injected and its precision is `engine.ct2.compute_type`."""
-    if name not in ENGINES:
-        raise ValueError(f"engine.sampler={name!r}; valid: {', '.join(ENGINES)}")
-    if name != "ct2":
-        return
-    from harness.ct2 import check_compute_type, require_ct2
-
-    check_compute_type(compute_type)
-    if noise:
-        raise ValueError(
-            f"engine.sampler=ct2 with injected noise {noise}: CTranslate2's β is its own (its "
-            "kernels, engine.ct2.compute_type); inject none (train: noise=none; measure: "
-            "sampler_noise=[]), or use engine.sampler=hf with the noise"
-        )
-    if sampler_dtype != "fp32":
-        raise ValueError(
-            f"engine.sampler_dtype={sampler_dtype!r} with engine.sampler=ct2; valid: 'fp32' "
-            "(CTranslate2's precision is engine.ct2.compute_type)"
-        )
-    require_ct2()

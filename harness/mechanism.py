@@ -1,4 +1,4 @@
-"""Mechanism check (issue 16, item 1): is the mechanism an experiment tests acting at step 0?
+"""Mechanism check: is the mechanism an experiment tests acting at step 0?
 
 A null result means something only where its mechanism was present. Before any update
 (θ = θ_old), with the run's own sampler μ (its noise), trainer, task and rollout config, this
@@ -39,6 +39,7 @@ from torch import Tensor
 from harness import config as _config  # noqa: F401  (registers train_schema)
 from harness.diagnostics import BAND, FORK_P, fork_oob_share, out_of_band, out_of_band_frac
 from harness.io import write_json_atomic, write_text_atomic
+from harness.setup import build_setup, rollout_sampling, step_seed, validate
 from harness.step import collect
 
 EPS = (0.2, 0.28)
@@ -94,11 +95,9 @@ def band_and_eps(objective: DictConfig) -> tuple[tuple[float, float], tuple[floa
 
 @torch.no_grad()
 def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
-    """Build the run's setup (harness.train), score `cfg.mechanism_batches` rollout batches at
+    """Build the run's setup (harness.setup), score `cfg.mechanism_batches` rollout batches at
     θ = θ_old and return the token-weighted check plus the sampler's reward. harness.train
     calls it before step 1 of every run (its mechanism.json)."""
-    from harness.train import build_setup, rollout_sampling, step_seed, validate
-
     if not validated:
         validate(cfg)  # every config check, the swept-axis nodes included
     if cfg.mechanism_batches < 1:
@@ -108,7 +107,7 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
     band, eps = band_and_eps(cfg.objective)
     parts, rewards, seen = [], [], []
     for step in range(1, cfg.mechanism_batches + 1):
-        seed = step_seed(cfg, step)  # the run's own first prompts and samples
+        seed = step_seed(cfg.seed, step)  # the run's own first prompts and samples
         problems = s.task.sample(cfg.rollout.prompts_per_step, "train", seed)
         seen += problems
         reward = partial(s.task.rollout_rewards, problems, tokenizer=s.tok)
@@ -116,8 +115,7 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
             s.sampler, s.policy, [p.prompt for p in problems], reward, sampling, seed=seed,
             advantage=cfg.advantage, mask_replay=cfg.engine.mask_replay,
         )  # fmt: skip
-        x = batch.logp_recompute - batch.logp_mu
-        parts.append((x, batch.p_t, batch.advantages, batch.mask))
+        parts.append((batch.log_rho, batch.p_t, batch.advantages, batch.mask))
         rewards.append(rew)
     s.sampler.close()
     x, p_t, adv, mask = (torch.cat([p[k].flatten() for p in parts])[None] for k in range(4))

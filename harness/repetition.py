@@ -143,3 +143,11 @@ def exit_mass(
         pa = torch.as_tensor(p_active_mass, dtype=torch.float64)
         out["frac_reversed_band"] = ((p < q) & (q < p / pa)).sum().item() / n
     return out
+
+
+def repetition_reports(response_ids: Tensor, response_mask: Tensor) -> list[dict]:
+    """`repetition_report` of every response row (its tokens up to and including EOS)."""
+    return [
+        repetition_report(row[: int(n)].tolist())
+        for row, n in zip(response_ids, response_mask.sum(1))
+    ]

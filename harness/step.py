@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from harness.batch import TokenBatch
-from harness.engines import Engine, Rollout
+from harness.engines import Engine
+from harness.rollout import Rollout
 
 ADVANTAGES = ("grpo", "drgrpo")
 
@@ -181,6 +182,13 @@ def step_and_log(model, res, lag: int, opt, grad_clip: float, restore, on_step) 
     }  # fmt: skip
 
 
+def trust_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> float:
+    """Mean |log π_θ − log π_old| over response tokens: the policy movement the trust region (the
+    PPO clip) sees at this minibatch's update; α alone when π_old is the trainer's recompute,
+    α + β when π_old := μ."""
+    return float(((logp - logp_old).abs() * mask).sum() / mask.sum().clamp_min(1.0))
+
+
 def update(
     policy: Engine,
     objective,
@@ -227,9 +235,10 @@ def update(
             metrics.append(
                 objective.calibrate(hp, old_hp, logp.detach(), mb.logp_old, mb.advantages, mb.mask)
             )
+        trust = trust_log_ratio(logp.detach(), mb.logp_old, mb.mask)
         m = step_and_log(policy.model, objective(logp, mb), lag, opt, grad_clip, restore, on_step)
         skipped += m is None
-        metrics += [m] if m is not None else []
+        metrics += [m | {"trust/mean_abs_log_ratio": trust}] if m is not None else []
     policy.model.eval()
     return batch, metrics, skipped
 

@@ -9,7 +9,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from analysis.claims import (
-    check_prereg,
     endpoint_marks,
     endpoint_values,
     markdown,
@@ -18,6 +17,7 @@ from analysis.claims import (
     stars,
 )
 from analysis.stats import paired_t
+from harness.prereg import check_prereg
 from harness import train
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")

@@ -175,7 +175,7 @@ def test_missing_ctranslate2_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 → ImportError
     with pytest.raises(ImportError, match=r"pip install -e '\.\[ct2\]'"):
         require_ct2()
-    from harness.engines import check_sampler
+    from harness.samplers import check_sampler
 
     with pytest.raises(ImportError, match="pip install"):
         check_sampler("ct2", "int8", [], "fp32")

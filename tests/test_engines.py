@@ -480,6 +480,52 @@ def test_gemm_rows_do_not_depend_on_the_batch_size_above_the_prune_floor(threads
                 assert torch.equal(F.linear(x[:m].contiguous(), w), full[:m]), (K, N, m)
 
 
+def test_pruning_is_off_where_gemm_rows_depend_on_the_batch_size(tiny_llama, monkeypatch, capsys):
+    """The start-up check of `prune_floor`: a GEMM whose rows' bits move with the batch size M
+    (here F.linear plus 1e-7·M, as a BLAS that picks kernels by M would) fails it; pruning is
+    then off, with a log line, and every decode step runs all B rows."""
+    from torch.nn import functional as F
+
+    from harness import engines
+
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: real(x, w, b) + 1e-7 * x.shape[0])
+    assert not engines.gemm_rows_batch_invariant(16, torch.device("cpu"), torch.float32)
+    check = engines.gemm_rows_batch_invariant
+    monkeypatch.setattr(engines, "gemm_rows_batch_invariant", lambda *a: False)
+    engines._prune_floor.cache_clear()
+    monkeypatch.setattr(F, "linear", real)
+    try:
+        assert engines.prune_floor() == 0
+        assert "no pruning" in capsys.readouterr().out
+        model, tok = _sharpened(tiny_llama)
+        eng = Engine(model, tok)
+        eng._can_decode_lean = lambda: False  # the HF path: batch sizes seen by the model
+        sizes = []
+        hook = model.register_forward_pre_hook(
+            lambda m, args, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
+        )
+        prompts = ["12+3=", "hello wo", "x"]  # 3 prompts × 8: a prefill of 3 rows, then 24
+        try:
+            probe = eng.generate(["12+3="], n=64, max_new_tokens=4, seed=0)
+            eng.eos_ids = probe.response_ids.flatten().bincount().argsort(descending=True)[:3]
+            sizes.clear()
+            ro = eng.generate(prompts, n=8, max_new_tokens=10, seed=3)
+            assert ro.response_mask.sum(1).min() < ro.response_mask.shape[1]  # rows finished
+            assert sizes[0] == 3 and set(sizes[1:]) == {24}
+            monkeypatch.setattr(engines, "gemm_rows_batch_invariant", check)
+            engines._prune_floor.cache_clear()  # the real check: this CPU passes it
+            with _threads(1):
+                assert engines.prune_floor() == 16
+                sizes.clear()
+                eng.generate(prompts, n=8, max_new_tokens=10, seed=3)
+            assert min(sizes[1:]) < 24  # the same decode prunes where the check passes
+        finally:
+            hook.remove()
+    finally:
+        engines._prune_floor.cache_clear()
+
+
 @pytest.mark.parametrize("inv", [[0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 0, 2, 1, 2, 0, 2, 1]])
 def test_gather_rows_equals_index_select_with_its_gradient(inv):
     """The trainer's per-row copy of each prompt's keys: values and gradient bit-identical to

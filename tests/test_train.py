@@ -5,8 +5,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import train
+from harness import setup, train
+from harness.engines import Engine
 from harness.objectives import OBJECTIVES
+from harness.objectives.opsd import copy_exit_mass
 from harness.step import group_advantages
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
@@ -146,7 +148,7 @@ def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward, devic
 def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):
     from harness.objectives.core import ObjectiveOutput
 
-    real = train.build_objective
+    real = setup.build_objective
 
     def nan_objective(name, **kw):
         obj = real(name, **kw)
@@ -159,7 +161,7 @@ def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):
         obj.__class__ = Nan
         return obj
 
-    monkeypatch.setattr(train, "build_objective", nan_objective)
+    monkeypatch.setattr(setup, "build_objective", nan_objective)
     cfg = _cfg(tmp_path, "steps=10", "guard.max_nonfinite=3", "checkpoint_every=100")
     with pytest.raises(train.TrainingAborted, match="3 consecutive steps"):
         train.run(cfg)
@@ -168,8 +170,30 @@ def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):
     assert [r["guard/nonfinite_skipped"] for r in _metrics(tmp_path)] == [1, 1, 1]
 
 
-def test_staleness_and_minibatches_create_alpha(tmp_path):
-    """With m=2 the second minibatch trains one step late: its trust-region ratio moved."""
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_staleness_moves_the_trust_ratio_and_the_sampler_holds_the_stale_weights(
+    tmp_path, staleness
+):
+    """One minibatch per step, so staleness is the only α. With k = 1 the PPO ratio π_θ/π_old
+    moves off 1 once the weights have moved (mean |log π_θ − log π_old| > 0: the trainer is a
+    step ahead of the weights that sampled), while π_old, the recompute at the behaviour
+    weights, still equals μ: the sampler really holds those stale weights. With k = 0 the ratio
+    is 1 up to rounding at every step."""
+    # the arithmetic task model: rewards differ within groups, so the weights move
+    over = ["model=task-model", "rollout.max_new_tokens=null", "steps=4"]
+    train.run(_cfg(tmp_path, *over, f"alpha.staleness={staleness}", "alpha.minibatches=1"))
+    rows = _metrics(tmp_path)
+    moved = [r["trust/mean_abs_log_ratio"] for r in rows]
+    assert all(r["dial/mean_abs_delta"] < 1e-5 for r in rows)  # π_old = μ at every step
+    assert moved[0] < 1e-5  # step 1: no older weights yet
+    if staleness:
+        assert max(moved) > 1e-3, moved
+    else:
+        assert max(moved) < 1e-5, moved
+
+
+def test_distillation_trains_each_minibatch_at_its_lag(tmp_path):
+    """OPSD with staleness 1 and m = 2: the minibatches train 1 and 2 steps late."""
     cfg = _cfg(
         tmp_path,
         "objective=opsd_fkl",
@@ -180,9 +204,7 @@ def test_staleness_and_minibatches_create_alpha(tmp_path):
         "alpha.minibatches=2",
     )
     train.run(cfg)
-    rows = _metrics(tmp_path)
-    # staleness 1 + minibatch lags 0, 1: the two minibatches train 1 and 2 steps late
-    assert rows[-1]["alpha/lag"] == pytest.approx(1.5)
+    assert _metrics(tmp_path)[-1]["alpha/lag"] == pytest.approx(1.5)
 
 
 def test_bad_config_fails_before_compute(tmp_path):
@@ -304,10 +326,10 @@ def test_copy_exit_mass_by_hand():
             z[t, c] = torch.log(torch.tensor(p_copy))
         return z[None]
 
-    m = train.copy_exit_mass(logits(0.75), logits(0.5), [rep])
+    m = copy_exit_mass(logits(0.75), logits(0.5), [rep])
     assert m["repetition/exit_mass_ratio"] == pytest.approx(0.5)
     assert m["repetition/copy_frac_student_above"] == 1.0
-    assert train.copy_exit_mass(logits(0.75), logits(0.5), [repetition_report([1, 2, 3])]) == {}
+    assert copy_exit_mass(logits(0.75), logits(0.5), [repetition_report([1, 2, 3])]) == {}
 
 
 def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path):
@@ -321,6 +343,51 @@ def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path
     r3, plain = _metrics(tmp_path / "r3"), _metrics(tmp_path / "plain")
     assert [r["step"] for r in r3] == [1, 2] and all(r["grad/norm"] >= 0 for r in r3)
     assert r3[0]["dial/mean_abs_delta"] < 0.5 * plain[0]["dial/mean_abs_delta"]
+
+
+def test_routing_replay_leaves_evaluation_to_the_trainers_own_routes(tmp_path):
+    """The replayed routes belong to one scoring call: after the trainer scored rows of a
+    rollout, its evaluation samples exactly as the same weights without R3 attached (the last
+    minibatch's routes used to stay attached: a shape error at m ≥ 2, stale routes at m = 1)."""
+    from harness.noise import build_noise
+    from harness.setup import build_setup
+
+    s = build_setup(_cfg(tmp_path, "model=tiny-moe", "noise=routing", "engine.routing_replay=true"))
+    ro = s.sampler.generate(["1+1=", "2+3="], n=4, max_new_tokens=5, seed=0)
+    s.policy.logp(ro, torch.tensor([0, 1, 2]))  # the rows of one minibatch
+    replay = s.policy._noise_of(type(build_noise("replay")))
+    assert replay is not None and replay.indices is None
+    again = s.policy.generate(["1+1=", "2+3=", "4+4="], n=1, max_new_tokens=5, seed=1)
+    plain = Engine(s.policy.model, s.tok).generate(
+        ["1+1=", "2+3=", "4+4="], n=1, max_new_tokens=5, seed=1
+    )  # same model object: R3's hooks pass through when no routes are set
+    assert torch.equal(again.response_ids, plain.response_ids)
+    assert torch.equal(again.logp_mu, plain.logp_mu)
+
+
+@pytest.mark.slow
+def test_routing_replay_with_minibatches_and_staleness_through_the_cli_with_evaluation(tmp_path):
+    """`python -m harness.train model=tiny-moe noise=routing engine.routing_replay=true` at
+    m ∈ {2, 4} and staleness ∈ {0, 1}, evaluated at steps 1 and 2, as a user's sweep runs it."""
+    import subprocess
+    import sys
+
+    root = CONFIG_DIR.rsplit("/experiments", 1)[0]
+    args = ["model=tiny-moe", "noise=routing", "engine.routing_replay=true",
+            "alpha.minibatches=2,4", "alpha.staleness=0,1", "rollout.group_size=4",
+            "rollout.prompts_per_step=2", "rollout.max_new_tokens=6", "steps=2", "eval_n=8",
+            "eval_every=1", "progress=false", "engine.device=cpu", f"hydra.sweep.dir={tmp_path}",
+            "hydra.launcher.n_jobs=1", "mechanism_batches=0"]  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "harness.train", "-m", *args], cwd=root, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = sorted(p.parent for p in tmp_path.glob("*/metrics.jsonl"))
+    assert len(runs) == 4, runs
+    for run in runs:
+        m = _metrics(run)
+        assert [x["step"] for x in m] == [1, 2] and all("eval/acc" in x for x in m), run
 
 
 def test_calibrated_clip_refuses_to_calibrate_a_ratio_against_itself(tmp_path):
@@ -401,7 +468,7 @@ def test_every_check_runs_before_any_model_is_built(tmp_path, monkeypatch, overr
     def no_build(cfg):
         raise AssertionError("a model was built before the config was checked")
 
-    monkeypatch.setattr(train, "build_task_and_model", no_build)
+    monkeypatch.setattr(setup, "build_task_and_model", no_build)
     cfg = _cfg(tmp_path, "model=task-model", *override.split(), "steps=1")
     t0 = time.time()
     with pytest.raises((ValueError, TypeError, KeyError)) as e:
@@ -616,9 +683,9 @@ def test_the_entropy_driver_switches_training_prompts_to_the_harder_task(tmp_pat
     assert {d for split, d in seen if split == "eval"} == {1}  # the eval set stays the task's
     assert [r["drivers/harder"] for r in _metrics(tmp_path)] == [0.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="drivers.harder"):
-        train.validate(_cfg(tmp_path / "b", "drivers.harder_at=2"))
+        setup.validate(_cfg(tmp_path / "b", "drivers.harder_at=2"))
     with pytest.raises((ValueError, TypeError), match="digts"):
-        train.validate(_cfg(tmp_path / "c", "drivers.harder_at=2", "+drivers.harder.digts=2"))
+        setup.validate(_cfg(tmp_path / "c", "drivers.harder_at=2", "+drivers.harder.digts=2"))
 
 
 def test_the_opsd_mechanism_check_compares_teacher_and_student(tmp_path):
@@ -653,8 +720,8 @@ def test_full_pipeline_fp8_unifies_the_trainer_with_the_sampler(
     calls = []
     shadow_pass = train.shadow_pass
 
-    def counted(s, ro, mask_replay):
-        shadow = shadow_pass(s, ro, mask_replay)
+    def counted(policy, old_policy, ro, mask_replay):
+        shadow = shadow_pass(policy, old_policy, ro, mask_replay)
         return lambda rows: calls.append(len(rows)) or shadow(rows)
 
     monkeypatch.setattr(train, "shadow_pass", counted)

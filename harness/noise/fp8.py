@@ -635,3 +635,28 @@ class Fp8Trainer(NoiseModel):
             yield
         finally:
             self.attach(model)
+
+
+def high_precision(engine):
+    """A context in which a trainer-side engine (harness.engines.Engine) runs in high precision
+    (engine.trainer_fp8: the shadow pass, evaluation); a no-op for every other engine."""
+    fp8 = engine._noise_of(Fp8Trainer) if engine is not None else None
+    return fp8.high_precision() if fp8 is not None else contextlib.nullcontext()
+
+
+def shadow_pass(policy, old_policy, ro, mask_replay: bool):
+    """engine.trainer_fp8: calibrated clipping's high-precision (π_θ, π_old) of rows `rows` of
+    rollout `ro`, before the first update of a batch (θ = the weights that batch's first
+    minibatch trains; at staleness 0 these are the behaviour weights, so π_old^hp = π_θ^hp).
+    `old_policy` None or `policy` itself: π_old is the training pass."""
+
+    def shadow(rows: Tensor) -> tuple[Tensor, Tensor]:
+        with high_precision(policy):
+            hp = policy.logp(ro, rows, stats=False, mask_replay=mask_replay)["logp"]
+        if old_policy is None or old_policy is policy:
+            return hp, hp
+        with high_precision(old_policy):
+            old = old_policy.logp(ro, rows, stats=False, mask_replay=mask_replay)["logp"]
+        return hp, old
+
+    return shadow

@@ -23,6 +23,8 @@ from torch import Tensor
 from harness.batch import masked_mean
 from harness.objectives.core import OBJECTIVES, Objective, ObjectiveOutput
 from harness.registry import register
+from harness.repetition import copy_token_probs, exit_mass
+from harness.tasks import teacher_prompt
 
 
 def opsd_pointwise(
@@ -99,3 +101,36 @@ def opsd_fkl(
 ) -> OPSDForwardKL:
     """OPSD forward KL on the teacher's top-k at T, pointwise clipped at τ (None: exact FKL)."""
     return OPSDForwardKL(top_k, temperature, tau)
+
+
+# --- the distillation step's inputs and its repetition metric ------------------------------------
+
+
+@torch.no_grad()
+def copy_exit_mass(s_logits, t_logits, reports: list[dict]) -> dict[str, float]:
+    """OPSD Table 2 at first-copy positions: exit mass 1 − p(copy token) under the teacher and
+    1 − q under the student (T = 1 softmax); ratio R = Σ(1−q)/Σ(1−p) < 1 means the student is
+    more willing than its teacher to continue the loop."""
+    p, q = [], []
+    for s, t, rep in zip(s_logits, t_logits, reports):
+        pos, tok = rep["first_copy_positions"], rep["first_copy_tokens"]
+        if pos:
+            p.append(copy_token_probs(t.float().softmax(-1), pos, tok))
+            q.append(copy_token_probs(s.float().softmax(-1), pos, tok))
+    if not p:
+        return {}
+    em = exit_mass(torch.cat(p), torch.cat(q))
+    return {
+        "repetition/exit_mass_ratio": em["ratio"],
+        "repetition/copy_frac_student_above": em["frac_student_above"],
+        "repetition/first_copy_positions": float(em["n"]),
+    }
+
+
+def teacher_inputs(policy, problems, prompt: str, group_size: int, reps: list[dict]):
+    """The teacher's privileged prompts (`prompt` with each problem's reference solution; one
+    per rollout row, as `policy` encodes them) and the per-minibatch exit-mass metric."""
+    t_ids, t_mask = policy.encode_prompts([teacher_prompt(p, prompt) for p in problems])
+    exit_metrics = lambda st, te, rows: copy_exit_mass(st, te, [reps[r] for r in rows])  # noqa: E731
+    g = group_size
+    return t_ids.repeat_interleave(g, 0), t_mask.repeat_interleave(g, 0), exit_metrics

@@ -1,0 +1,86 @@
+"""The training figures' panels: one row of per-arm curves with each pre-registered test under
+its panel and the mechanism check as the caption."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.claims import endpoint_marks
+from analysis.common import savefig
+from analysis.runs import mechanism_caption
+
+# two-sided 95% Student-t quantiles by degrees of freedom (1.96 beyond 9)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def ci95(x) -> tuple[float, float]:
+    """Student-t 95% interval of the mean over seeds (a bootstrap under-covers with 3 seeds)."""
+    x = np.asarray(x, dtype=float)
+    if len(x) < 2:
+        return float(x.mean()), float(x.mean())
+    h = T975.get(len(x) - 1, 1.96) * x.std(ddof=1) / np.sqrt(len(x))
+    return float(x.mean() - h), float(x.mean() + h)
+
+
+def curve(ax, df: pd.DataFrame, col: str, order: list[str], legend: bool) -> None:
+    """Mean over seeds of `col` per step and arm, with the t-interval band (eval points marked)."""
+    import seaborn as sns
+
+    d = df.dropna(subset=[col])
+    hue_order = [a for a in order if a in set(d.arm)]
+    marker = "o" if col == "eval_acc" else None
+    sns.lineplot(d, x="step", y=col, hue="arm", hue_order=hue_order, errorbar=ci95, ax=ax,
+                 marker=marker, legend=legend)  # fmt: skip
+
+
+def panel_row(
+    df: pd.DataFrame,
+    panels: list[tuple],
+    arms: list[str],
+    xlabel: str,
+    title: str,
+    root: Path,
+    exp: str,
+    legend_on: tuple[int, ...] = (0,),
+) -> None:
+    """One row of `curve` panels of experiment `exp`, each (column, title, y label[, arms
+    shown]); mean and 95% t-interval over seeds; the mechanism check of each arm shown as the
+    caption (`mechanism_caption`), each pre-registered endpoint's test under its panel's title
+    (analysis.claims.endpoint_marks); written as root/exp/fig_<exp>.png and .pdf (`savefig`)."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    caption, marks = mechanism_caption(root, exp, df, arms), endpoint_marks(root, exp)
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.2))
+    for i, (ax, (col, panel_title, ylabel, *shown)) in enumerate(zip(axes, panels)):
+        d = df[df.arm.isin(shown[0])] if shown else df
+        curve(ax, d, col, arms, legend=i in legend_on)
+        ax.set(title=panel_title, xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
+        if col in marks:  # the registered test: treatment − control, paired by seed
+            ax.set_title(panel_title, pad=24)
+            ax.text(
+                0.5,
+                1.01,
+                marks[col].replace("], ", "],\n", 1),
+                transform=ax.transAxes,
+                fontsize=6.5,
+                ha="center",
+                va="bottom",
+            )
+        if i in legend_on:
+            sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
+        if d[col].isna().all():  # a metric these runs did not log
+            ax.text(0.5, 0.5, "not recorded in these runs", transform=ax.transAxes, ha="center")
+        elif d[col].max() == 0:  # a line on the axis is invisible: say it
+            ax.text(0.5, 0.5, "0 in every run and step", transform=ax.transAxes, ha="center")
+    n = df.groupby("arm").seed.nunique().min()
+    fig.suptitle(f"{title}; mean, 95% t-CI, {n} seeds")
+    bottom = 0.0
+    if caption:  # the mechanism check under the panels (issue 16: no null without it)
+        bottom = 0.03 + 0.035 * (caption.count("\n") + 1)
+        fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
+    savefig(fig, Path(root) / exp / f"fig_{exp}", bottom)
