@@ -80,7 +80,7 @@ def panel_row(
     n = df.groupby("arm").seed.nunique().min()
     fig.suptitle(f"{title}; mean, 95% t-CI, {n} seeds")
     bottom = 0.0
-    if caption:  # the mechanism check under the panels (issue 16: no null without it)
+    if caption:  # the mechanism check under the panels: a null counts only beside it
         bottom = 0.03 + 0.035 * (caption.count("\n") + 1)
         fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
     savefig(fig, Path(root) / exp / f"fig_{exp}", bottom)

@@ -1,4 +1,4 @@
-"""CTranslate2 as the sampler μ (issue 17): a second inference engine with its own kernels and
+"""CTranslate2 as the sampler μ: a second inference engine with its own kernels and
 quantisation, so β is what a real engine disagrees with the trainer on, not injected noise.
 
 The current weights are converted (transformers → CTranslate2, float32 weights; `compute_type`

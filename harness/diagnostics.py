@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-# the confidence bins of trainer p_t (methods.md §2.3, DERIVED): [lo, hi), the last closed
+# the confidence bins of trainer p_t, [lo, hi), the last closed (DERIVED: the SNR post bins by
+# p_t without giving fixed edges)
 CONF_EDGES = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
 CAP = 2.0  # C of capped_mean_ratio
 BAND = (0.5, 2.0)  # the [1/2, 2] band of out_of_band_frac (the SNR post's reject/clamp band)

@@ -98,7 +98,8 @@ def keep_rows(live: Tensor, floor: int, padded: Tensor | None = None) -> Tensor:
 def gather_rows(x: Tensor, inv: Tensor) -> Tensor:
     """x[inv] along dim 0. GRPO groups (each prompt's rows adjacent, equal in number) take an
     expand, whose backward is a sum over the group: the same gradient bits as index_select's
-    index_add, ~3× faster on the trainer's strided [B, heads, P, d] keys (bench: issue 15)."""
+    index_add, ~3× faster on the trainer's strided [B, heads, P, d] keys
+    (benchmarks/bench_step.py)."""
     U, B = x.shape[0], inv.shape[0]
     n = B // U
     if B == U * n and torch.equal(inv, torch.arange(U, device=inv.device).repeat_interleave(n)):

@@ -9,7 +9,7 @@ scores `batches` rollout batches and reports, on r = π_old/μ:
   fork_oob_share    share of those out-of-band tokens that are forks (trainer p_t < 0.5)
   forks_deleted     share of fork tokens a reject rule with this band deletes
   neg_low_clip      share of A < 0 tokens with r < 1 − ε_low: what the PPO lower bound clips
-                    when π_old := μ (the FP8 mechanism of seed 002)
+                    when π_old := μ (the FP8 mechanism of Calibrated Clipping, arXiv 2609.22870)
   pos_high_clip     share of A > 0 tokens with r > 1 + ε_high
   sampler_reward    μ's own mean reward (β so large that μ earns nothing is past usable)
   teacher_acc, student_acc, teacher_ref_logp, student_ref_logp   (OPSD runs, distill.enabled)
@@ -133,9 +133,9 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
 
 
 def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, float]:
-    """OPSD (seed 003) needs a teacher better than its student: both policies' sampled accuracy
-    on these problems (the teacher with the reference solution in its prompt, the student
-    without; T = the rollout's) and the mean per-token log-prob each gives the reference
+    """OPSD (arXiv 2609.38995) needs a teacher better than its student: both policies' sampled
+    accuracy on these problems (the teacher with the reference solution in its prompt, the
+    student without; T = the rollout's) and the mean per-token log-prob each gives the reference
     solution + EOS, teacher-forced."""
     from harness.engines import Engine
     from harness.tasks import teacher_prompt

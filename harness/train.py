@@ -11,8 +11,9 @@ staleness k (α source 2); objective from the registry; AdamW with gradient clip
 to the sampler (FP8 weights re-quantised there). Departures from the named algorithms: no KL
 term to a reference policy, no entropy bonus (those would blur what the corrections do).
 
-With `distill.enabled` (seed 003), the teacher is the frozen initial model conditioned on the
-reference solution, and the student minimises `opsd_fkl` (clipped or exact) on its own samples.
+With `distill.enabled` (OPSD, arXiv 2609.38995), the teacher is the frozen initial model
+conditioned on the reference solution, and the student minimises `opsd_fkl` (clipped or exact)
+on its own samples.
 
 The run directory holds config.yaml, metrics.jsonl (one JSON line per step), meta.json and
 checkpoints/ (atomic); re-running in the same directory resumes from the latest checkpoint.

@@ -333,8 +333,7 @@ def test_copy_exit_mass_by_hand():
 
 
 def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path):
-    """R3 with m = 2 and staleness 1 (crashed before: the replay indices were those of the whole
-    batch, set only by a no-grad recompute): each minibatch replays its own rows' routes, and
+    """R3 with m = 2 and staleness 1: each minibatch replays its own rows' routes, and
     replay brings the trainer closer to μ than no replay does."""
     common = ["model=tiny-moe", "noise=routing", "++noise.sigma=0.5", "steps=2",
               "alpha.minibatches=2", "alpha.staleness=1", "eval_every=0"]  # fmt: skip
@@ -347,8 +346,8 @@ def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path
 
 def test_routing_replay_leaves_evaluation_to_the_trainers_own_routes(tmp_path):
     """The replayed routes belong to one scoring call: after the trainer scored rows of a
-    rollout, its evaluation samples exactly as the same weights without R3 attached (the last
-    minibatch's routes used to stay attached: a shape error at m ≥ 2, stale routes at m = 1)."""
+    rollout, its evaluation samples exactly as the same weights without R3 attached (routes left
+    attached would not fit the evaluation batch at m ≥ 2, and be stale ones at m = 1)."""
     from harness.noise import build_noise
     from harness.setup import build_setup
 

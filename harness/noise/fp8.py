@@ -1,9 +1,9 @@
-"""`fp8`: fake-quantised FP8 sampler (notes/noise-models.md §1) and the public `fp8_qdq`.
+"""`fp8`: fake-quantised FP8 sampler and the public `fp8_qdq`.
 
 Scales are dequant scales s (x ≈ s·q, the DeepGEMM / vLLM / MX convention); torchao and
 TransformerEngine store the multiplier 1/s. Values are saturated to ±max *before* the cast: eager
 casts differ across torch versions (e4m3fn saturates on 2.13, e5m2 overflows to inf, fnuz → NaN).
-Granularities (notes §1.3):
+Granularities:
   tensor   one scale per tensor (current scaling; `amax=` for delayed scaling)
   row      one scale per row of the last dim: per token for activations, per output channel for
            weights W[N, K] (torchao ROWWISE, vLLM per-token)
@@ -228,7 +228,7 @@ class Fp8Noise(NoiseModel):
     """FP8 sampler: weights quantised once per attach / `on_weight_sync()` (not per forward),
     activations (inputs of the quantised linears) per forward, optionally the KV cache.
 
-    Defaults follow vLLM online fp8 / the harness default (notes §1.6): q/k/v/o + gate/up/down
+    Defaults follow vLLM online fp8 / the harness default: q/k/v/o + gate/up/down
     (and MoE expert weights) in FP8; lm_head, embeddings, norms and the router in high precision.
     `granularity` is the weight scaling; `act_granularity` (default: matching recipe — tensor,
     row → per token, block → 1×128, mxfp8) may also be "delayed" (per-tensor, amax history of
@@ -552,7 +552,7 @@ class Fp8Noise(NoiseModel):
 
 # Attention wrappers are registered globally by name (transformers' AttentionInterface); the
 # quantiser is looked up per model config at call time. The mask interface must be registered
-# too, or the mask silently becomes None (non-causal attention; notes §1.7 gotcha).
+# too, or the mask silently becomes None (non-causal attention).
 _KV_QDQ: dict[int, Callable[[Tensor], Tensor]] = {}
 
 
@@ -581,12 +581,13 @@ def _register_fp8_kv_attention(base: str) -> str:
 
 
 class Fp8Trainer(NoiseModel):
-    """Full-pipeline FP8 (seed 002, Jet-RL's unified precision flow): the trainer's forward runs
-    the sampler's FP8 recipe `recipe` (an Fp8Noise: format, granularities, which linears) with a
-    straight-through gradient. Each quantised linear computes F.linear(x̃, W̃) with
-    W̃ = sg(qdq(W)) + (W − sg(W)) (value qdq(W) exactly, gradient 1 into the high-precision master
-    W), and x̃ likewise when `recipe.activations`. Linears only: fused MoE experts, norms,
-    embeddings and the KV cache stay high precision on the trainer side (documented gap).
+    """Full-pipeline FP8 (Calibrated Clipping, arXiv 2609.22870; Jet-RL's unified precision
+    flow): the trainer's forward runs the sampler's FP8 recipe `recipe` (an Fp8Noise: format,
+    granularities, which linears) with a straight-through gradient. Each quantised linear
+    computes F.linear(x̃, W̃) with W̃ = sg(qdq(W)) + (W − sg(W)) (value qdq(W) exactly, gradient
+    1 into the high-precision master W), and x̃ likewise when `recipe.activations`. Linears
+    only: fused MoE experts, norms, embeddings and the KV cache stay high precision on the
+    trainer side (documented gap).
     The trainer always emulates (qdq + high-precision matmul, whatever `recipe.kernel`): with a
     scaled_mm sampler, the mismatch left at θ = θ_old is the real GEMM's against the emulation's.
     `high_precision()` lifts it for a shadow pass (calibrated clipping's r_hp, evaluation)."""

@@ -1,0 +1,89 @@
+"""The code's shape: no import cycles in harness/ or analysis/, harness never imports analysis/,
+and comments cite papers and formulas, not the project's history."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def import_graph(root: Path, packages=("harness", "analysis")) -> dict[str, set[str]]:
+    """module → the project modules it imports (top-level and inside functions alike)."""
+    mods = {}
+    for pkg in packages:
+        for p in (root / pkg).rglob("*.py"):
+            name = ".".join(p.relative_to(root).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = p
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, p in mods.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            graph[m] |= {n for n in names if n in mods and n != m}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            if comp:
+                out.append(sorted([v, *comp]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_by_hand():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(g) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_and_harness_never_imports_analysis():
+    graph = import_graph(ROOT)
+    assert cycles(graph) == []
+    wrong = {m: sorted(d for d in deps if d.startswith("analysis")) for m, deps in graph.items()}
+    assert {m: d for m, d in wrong.items() if m.startswith("harness") and d} == {}
+
+
+HISTORY = re.compile(r"issue [0-9]+|\bsession [0-9]+|notes/[a-z-]+\.md|\bnotes §")
+
+
+@pytest.mark.parametrize("folder", ["harness", "analysis", "benchmarks", "tests", "experiments"])
+def test_code_comments_carry_no_project_history(folder):
+    """History (issue numbers, sessions, the notes/ folder outside the repository) belongs in
+    git and results/LOG.md."""
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / folder).rglob("*"))
+        if p.suffix in (".py", ".yaml") and p != Path(__file__)
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if HISTORY.search(line)
+    ]
+    assert hits == []
