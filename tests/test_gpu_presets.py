@@ -17,14 +17,15 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from test_configs import EXP, MODEL_SPECS, grid, load
 
-from analysis.claims import check_prereg
+from harness.prereg import check_prereg
 from harness.config import TrainConfig
-from harness.engines import check_sampler
+from harness.samplers import check_sampler
 from harness.models import resolve_device, resolve_dtype
 from harness.noise import build_noise
 
 GPU = EXP / "experiment" / "gpu"
-PRESETS = sorted(p.stem for p in GPU.glob("*.yaml"))
+BASE = GPU / "_base.yaml"  # the GPU scale the training presets inherit: not a preset
+PRESETS = sorted(p.stem for p in GPU.glob("*.yaml") if not p.stem.startswith("_"))
 MEASURE = {"snr_table"}  # harness.measure presets
 TRAIN = sorted(set(PRESETS) - MEASURE)
 DATA = ["task.path=/data/train.jsonl", "engine.device=cpu"]  # what a CPU check must supply
@@ -67,8 +68,25 @@ def test_one_gpu_preset_per_seed_experiment():
 
 
 @pytest.mark.parametrize("name", TRAIN)
+def test_train_preset_inherits_the_gpu_base(name, tmp_path):
+    """The scale is written once (gpu/_base.yaml): each training preset lists it in its defaults
+    and restates none of its keys' values (opsd_repetition's smaller group_size aside)."""
+    node = OmegaConf.load(GPU / f"{name}.yaml")
+    assert "/experiment/gpu/_base" in node.defaults, name
+    assert node.defaults.index("/experiment/gpu/_base") < node.defaults.index("_self_")
+    base = OmegaConf.to_container(OmegaConf.load(BASE))
+    own = OmegaConf.to_container(node)
+    for key in ("model", "steps", "eval_every", "optim", "engine"):
+        assert key not in own, f"{name} restates the base's {key}"
+    assert set(own.get("rollout", {})) <= {"group_size"}, name
+    assert "run" not in own.get("hydra", {}) and "job" not in own.get("hydra", {}), name
+    cfg, _, _ = load("train", [f"experiment=gpu/{name}", "task.path=/data/x.jsonl"], tmp_path)
+    assert cfg.model.spec == base["model"]["spec"] and cfg.steps == base["steps"]
+
+
+@pytest.mark.parametrize("name", TRAIN)
 def test_train_preset_composes_and_passes_start_up_checks(name, tmp_path):
-    from harness.train import validate
+    from harness.setup import validate
 
     with pytest.raises(MissingMandatoryValue, match="task.path"):  # the user's data, no default
         load("train", [f"experiment=gpu/{name}"], tmp_path)
