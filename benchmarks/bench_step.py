@@ -53,8 +53,10 @@ from typing import Any
 import torch
 
 from harness.alpha import WeightHistory
-from harness.engines import Engine
+from harness.config import schema
+from harness.models import DTYPES
 from harness.objectives import build_objective
+from harness.setup import build_engines
 from harness.step import Sampling, adamw, collect, update
 from harness.tasks import arithmetic
 
@@ -116,8 +118,12 @@ class RatiolabStep:
 
     def __init__(self, model, tok, work: Work):
         self.model = model
-        self.trainer = Engine(model, tok)
-        self.sampler = Engine(copy.deepcopy(model), tok)
+        # the loop's engines at the default config (clean μ on its own copy, π_θ on `model`),
+        # both in the model's dtype
+        cfg = schema()
+        dtype = next(model.parameters()).dtype
+        cfg.engine.sampler_dtype = next(k for k, v in DTYPES.items() if v == dtype)
+        self.trainer, _, self.sampler, _ = build_engines(cfg, model, tok)
         if not work.eos:  # all rows run new_tokens tokens
             self.sampler.eos_ids = torch.empty(0, dtype=torch.long, device=self.sampler.device)
         self.tok, self.work = tok, work

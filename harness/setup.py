@@ -207,29 +207,40 @@ class Setup:
     sigma0: list[tuple[Any, float]]
 
 
-def build_setup(cfg: DictConfig) -> Setup:
-    set_tf32(cfg.engine.tf32)  # process-wide; the run's one setting
-    task, model, tok, identity = build_task_and_model(cfg)
-    a = cfg.alpha
-    # every copy of the weights before any noise or replay hook is attached (deepcopy copies hooks)
+def build_policy(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
+    """A trainer-side policy (π_θ, π_old, the measurement job's reference) on `model`: R3 replays
+    μ's routes (engine.routing_replay); engine.trainer_fp8 runs the sampler's FP8 recipe with a
+    straight-through gradient."""
+    noise = [build_noise("replay")] if cfg.engine.routing_replay else []
+    if cfg.engine.trainer_fp8:
+        name, kw = split_node(cfg.noise)
+        noise.append(Fp8Trainer(build_noise(name, **kw)))
+    return Engine(model, tok, noise=noise)
+
+
+def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine, Any, Any, Any]:
+    """(π_θ on `model`, π_old, μ, the OPSD teacher). π_old is its own copy loaded with the
+    behaviour weights under staleness, None when the training pass serves as π_old (staleness 0,
+    one minibatch, `reuse_old_logp`), else π_θ itself; the teacher (distill.enabled) is a frozen
+    copy, None otherwise. Every copy is taken before any noise or replay hook is attached
+    (deepcopy copies hooks)."""
     sampler = build_sampler(cfg, model, tok)
-    old_model = copy.deepcopy(model).requires_grad_(False) if a.staleness > 0 else None
+    old_model = copy.deepcopy(model).requires_grad_(False) if cfg.alpha.staleness > 0 else None
     teacher = copy.deepcopy(model).eval().requires_grad_(False) if cfg.distill.enabled else None
-
-    def engine(m: torch.nn.Module) -> Engine:  # a trainer-side policy: R3 replays μ's routes
-        noise = [build_noise("replay")] if cfg.engine.routing_replay else []
-        if cfg.engine.trainer_fp8:  # full-pipeline FP8: the sampler's recipe, straight-through
-            name, kw = split_node(cfg.noise)
-            noise.append(Fp8Trainer(build_noise(name, **kw)))
-        return Engine(m, tok, noise=noise)
-
-    policy = engine(model)
-    if old_model is not None:  # π_old: its own copy of the weights, loaded with the behaviour
-        old_policy = engine(old_model)
-    elif a.minibatches == 1 and cfg.reuse_old_logp and not cfg.distill.enabled:
+    policy = build_policy(cfg, model, tok)
+    if old_model is not None:
+        old_policy = build_policy(cfg, old_model, tok)
+    elif cfg.alpha.minibatches == 1 and cfg.reuse_old_logp and not cfg.distill.enabled:
         old_policy = None
     else:
         old_policy = policy
+    return policy, old_policy, sampler, teacher
+
+
+def build_setup(cfg: DictConfig) -> Setup:
+    set_tf32(cfg.engine.tf32)  # process-wide; the run's one setting
+    task, model, tok, identity = build_task_and_model(cfg)
+    policy, old_policy, sampler, teacher = build_engines(cfg, model, tok)
     obj_name, obj_kw = split_node(cfg.objective)
     if obj_name != "opsd_fkl":  # the aggregation node: the name and the denominator convention
         agg_name, agg_kw = split_node(cfg.aggregation)
@@ -240,7 +251,7 @@ def build_setup(cfg: DictConfig) -> Setup:
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         weight_decay=cfg.optim.weight_decay,
     )
-    history = WeightHistory(a.staleness)
+    history = WeightHistory(cfg.alpha.staleness)
     history.push(model)
     harder = None
     if cfg.drivers.harder_at:
