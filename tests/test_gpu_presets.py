@@ -17,11 +17,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from test_configs import EXP, MODEL_SPECS, grid, load
 
-from harness.prereg import check_prereg
 from harness.config import TrainConfig
-from harness.samplers import check_sampler
 from harness.models import resolve_device, resolve_dtype
 from harness.noise import build_noise
+from harness.prereg import check_prereg
+from harness.samplers import check_sampler
 
 GPU = EXP / "experiment" / "gpu"
 BASE = GPU / "_base.yaml"  # the GPU scale the training presets inherit: not a preset
