@@ -22,8 +22,18 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from analysis.events import escalation, run_events
 from analysis.runs import load_summary, mechanism_summary, results_root
-from analysis.stats import fisher_exact, paired_t, tost
+from analysis.stats import (
+    benjamini_hochberg,
+    fisher_exact,
+    fisher_min_events,
+    holm,
+    mde_paired,
+    paired_t,
+    pairs_for,
+    tost,
+)
 from harness.io import write_text_atomic
 from harness.prereg import check_prereg
 
@@ -57,6 +67,11 @@ def endpoint_values(df: pd.DataFrame, ep: dict) -> pd.Series:
     if ep["reduce"] == "last_evals":
         sel = runs.dropna(subset=[col]).sort_values("step")
         return sel.groupby(["arm", "seed"])[col].apply(lambda s: s.tail(ep["n"]).mean())
+    if ep["reduce"] == "event":  # the phenomenon itself, per run (analysis.events)
+        ev = run_events(runs, warmup=ep.get("warmup", 20))
+        return ev.set_index(["arm", "seed"])[ep["event"]]
+    if ep["reduce"] == "slope":  # escalation: least-squares slope per 100 steps
+        return runs.groupby(["arm", "seed"]).apply(lambda g: escalation(g, col)[0])
     last = runs.sort_values("step").groupby(["arm", "seed"]).tail(1)  # final_any
     return (last.set_index(["arm", "seed"])[col] > 0).astype(float)
 
@@ -80,7 +95,9 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
         a, cc = int(x.sum()), int(y.sum())
         f = fisher_exact(a, len(x) - a, cc, len(y) - cc)
         p = f[f"p_{ep['predicted']}"]
-        out.update(stat=f"{a}/{len(x)} vs {cc}/{len(y)} runs", p=p)
+        need = fisher_min_events(len(x), len(y), ALPHA)
+        mde = f">= {need}/{len(x)} vs 0/{len(y)}" if need is not None else "none"
+        out.update(stat=f"{a}/{len(x)} vs {cc}/{len(y)} runs", p=p, mde=mde)
         if a + cc == 0:
             out["verdict"] = "not reproduced: no event in either arm"
         elif a + cc == len(x) + len(y):
@@ -89,7 +106,10 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
             out["verdict"] = "reproduced" if p < ALPHA else "not resolved"
         return out
     pt = paired_t(x, y)
-    out.update(diff=pt["diff"], ci_lo=pt["ci_lo"], ci_hi=pt["ci_hi"])
+    sd = float(np.std(x - y, ddof=1))
+    out.update(diff=pt["diff"], ci_lo=pt["ci_lo"], ci_hi=pt["ci_hi"], sd=sd)
+    if sd > 0:  # no spread (e.g. 0 in every run): no power statement
+        out.update(mde=mde_paired(sd, len(seeds), ALPHA), seeds_needed=pairs_for(pt["diff"], sd))
     if ep["test"] == "tost":
         eq = tost(x, y, ep["margin"], ALPHA)
         stat = f"TOST ±{ep['margin']}; paired t = {pt['t']:.2f} (p = {pt['p']:.2g})"
@@ -146,8 +166,58 @@ def endpoint_marks(root: Path, exp: str) -> dict[str, str]:
     return out
 
 
+IN_KIND = ("event", "final_any")  # reductions that count runs in which the phenomenon happened
+
+
+def kind(ep: dict, verdict: str) -> str:
+    """in kind: the registered phenomenon happened (events in the treatment arm, Fisher);
+    in sign: a registered directional difference; neither."""
+    if not verdict.startswith("reproduced"):
+        return "neither"
+    return "in kind" if ep["reduce"] in IN_KIND else "in sign"
+
+
+def aa_values(values: pd.Series, control: str, offset: int) -> pd.Series:
+    """The A/A cell: control-arm seeds s + offset relabelled "A/A" at seed s, beside the
+    control arm's seeds s (the same arm twice on different seeds: the noise floor)."""
+    c = values.xs(control, level="arm")
+    twin = c[c.index >= offset]
+    twin.index = twin.index - offset
+    base = c[c.index < offset]
+    return pd.concat({"A/A": twin, control: base}, names=["arm", "seed"])
+
+
+def in_kind_counts(df: pd.DataFrame, arms: list[str], warmup: int = 20) -> str:
+    """Per arm, the runs in which each phenomenon happened (analysis.events), with the median
+    step of the surge: "surge 2/5 (at 61) vs 0/5; collapse ...; guard ...; loops ..."."""
+    ev = run_events(df[df.complete], warmup=warmup)
+    if ev.empty:
+        return "—"
+    parts = []
+    for name in ("surge", "collapse", "entropy_guard", "loops"):
+        if ev[name].isna().all():
+            continue
+        arm_txt = []
+        for arm in arms:
+            e = ev[ev.arm == arm][name].dropna()
+            at = ev[(ev.arm == arm) & (ev[name] == 1)][f"{name}_at"]
+            when = f" (at {at.median():.0f})" if name == "surge" and len(at) else ""
+            arm_txt.append(f"{int(e.sum())}/{len(e)}{when}")
+        parts.append(f"{name.replace('_', ' ')} " + " vs ".join(arm_txt))
+    return "; ".join(parts)
+
+
+def load_audit(root: Path) -> dict:
+    """results/audit.yaml: {experiment: {endpoint name: status}} for registered rows an audit
+    found not confirmatory (e.g. "exploratory: its runs finished before the pre-registration
+    commit"). Such rows stay in the table and leave the correction families."""
+    path = root / "audit.yaml"
+    return yaml.safe_load(path.read_text()) or {} if path.exists() else {}
+
+
 def claims(root: Path) -> pd.DataFrame:
     rows = []
+    audit = load_audit(root)
     for exp in EXPERIMENTS:
         path = root / exp / "prereg.yaml"
         if not path.exists():
@@ -165,19 +235,49 @@ def claims(root: Path) -> pd.DataFrame:
         mech = pd.read_csv(mech_path) if mech_path.exists() else None
         tr, ct = prereg["treatment"], prereg["control"]
         for ep in prereg["endpoints"]:
-            res = run_endpoint(endpoint_values(df, ep), ep, tr, ct)
+            values = endpoint_values(df, ep)
+            res = run_endpoint(values, ep, tr, ct)
+            aa = None
+            if prereg.get("aa_offset") and ct in values.index.get_level_values(0):
+                aa = run_endpoint(aa_values(values, ct, prereg["aa_offset"]), ep, "A/A", ct)
             d_cell = select_cell(df, ep.get("where"))  # the mechanism of the endpoint's cell
             m_cell = None if mech is None else select_cell(mech, ep.get("where"), strict=False)
+            status = audit.get(exp, {}).get(ep["name"], "confirmatory")
             rows.append({
                 "experiment": exp, "claim": prereg["claim"], "source": prereg["source"],
                 "treatment": tr, "control": ct, "endpoint": ep["name"], "metric": ep["metric"],
                 "reduce": ep["reduce"], "test": ep["test"], "predicted": ep["predicted"],
                 "where": ", ".join(f"{k}={v}" for k, v in (ep.get("where") or {}).items()),
-                "seeds_planned": prereg["seeds"],
+                "seeds_planned": prereg["seeds"], "status": status,
+                "kind": kind(ep, res["verdict"]),
+                "in_kind": in_kind_counts(d_cell, [tr, ct], ep.get("warmup", 20)),
+                "aa": mark(aa, ep) if aa is not None else None,
                 "mechanism_treatment": mechanism_summary(m_cell, d_cell, tr),
                 "mechanism_control": mechanism_summary(m_cell, d_cell, ct), **res,
             })  # fmt: skip
-    return pd.DataFrame(rows)
+    return corrected(pd.DataFrame(rows))
+
+
+def corrected(table: pd.DataFrame) -> pd.DataFrame:
+    """Holm within each experiment and Benjamini–Hochberg across all confirmatory registered
+    endpoints (exploratory rows and rows without a p leave both families); `survives`: the
+    verdict holds at α after both, after BH only, or after neither."""
+    if "p" not in table:
+        return table
+    family = (table.status == "confirmatory") & table.p.notna()
+    table["p_holm"] = np.nan
+    for _, idx in table[family].groupby("experiment").groups.items():
+        table.loc[idx, "p_holm"] = holm(table.loc[idx, "p"])
+    table["q_bh"] = np.nan
+    table.loc[family, "q_bh"] = benjamini_hochberg(table.loc[family, "p"])
+    hit = table.verdict.fillna("").str.startswith(("reproduced", "opposite"))
+    holm_ok, bh_ok = table.p_holm < ALPHA, table.q_bh < ALPHA
+    table["survives"] = np.select(
+        [~family, ~hit, holm_ok & bh_ok, bh_ok, holm_ok],
+        ["not in the family", "—", "Holm and BH", "BH only", "Holm only"],
+        "no (nominal only)",
+    )
+    return table
 
 
 def _fmt(v: Any, spec: str = ".3g") -> str:
@@ -188,23 +288,31 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
 
 def markdown(table: pd.DataFrame) -> str:
     head = ["experiment", "claim (source)", "endpoint (test)", "treatment vs control",
-            "difference [CI]", "statistic", "p", "verdict",
+            "difference [CI]", "statistic", "p", "p Holm / q BH", "verdict", "kind",
+            "survives correction", "MDE (80% power) · seeds for the observed effect",
+            "in-kind events per arm (treatment vs control)", "A/A", "status",
             "mechanism (treatment arm)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.to_dict("records"):
         if not isinstance(r.get("claim"), str):
-            lines.append(f"| {r['experiment']} | | | | | | | {r['verdict']} | |")
+            lines.append(f"| {r['experiment']} | | | | | | | | {r['verdict']} |" + " |" * 7)
             continue
         diff = (f"{_fmt(r.get('diff'), '+.4f')} [{_fmt(r.get('ci_lo'), '+.4f')}, "
                 f"{_fmt(r.get('ci_hi'), '+.4f')}]") if "diff" in r else "—"  # fmt: skip
         means = f"{_fmt(r.get('treatment_mean'), '.4f')} vs {_fmt(r.get('control_mean'), '.4f')}"
         pairs = f"{int(r['pairs'])}/{int(r['seeds_planned'])} seeds"
         cell = f" at {r['where']}" if r.get("where") else ""
+        mde = r.get("mde")
+        if isinstance(mde, float) and math.isfinite(mde):
+            mde = f"{mde:.3g} · {_fmt(r.get('seeds_needed'), '.0f')} seeds"
         lines.append(
             f"| {r['experiment']} | {r['claim']} ({r['source']}) | {r['endpoint']}{cell}: "
             f"{r['metric']}, {r['reduce']} ({r['test']}, predicted {r['predicted']}) | "
             f"{r['treatment']} vs {r['control']}: {means} ({pairs}) | {diff} | "
-            f"{_fmt(r.get('stat'))} | {_fmt(r.get('p'), '.3g')} | {r['verdict']} | "
+            f"{_fmt(r.get('stat'))} | {_fmt(r.get('p'), '.3g')} | "
+            f"{_fmt(r.get('p_holm'), '.3g')} / {_fmt(r.get('q_bh'), '.3g')} | {r['verdict']} | "
+            f"{_fmt(r.get('kind'))} | {_fmt(r.get('survives'))} | {_fmt(mde)} | "
+            f"{_fmt(r.get('in_kind'))} | {_fmt(r.get('aa'))} | {_fmt(r.get('status'))} | "
             f"{r['mechanism_treatment']} |"
         )
     return "\n".join(lines) + "\n"
@@ -218,7 +326,17 @@ def main(argv: list[str] | None = None) -> None:
             "Each row is one pre-registered endpoint (the experiment's preset, `prereg`), "
             "computed from the committed summary.csv exactly as registered; arms paired by "
             "seed. Tests two-sided at α = 0.05 except Fisher's (one-sided, predicted "
-            "direction); intervals 95% (TOST: 90%).\n\n") + markdown(table)  # fmt: skip
+            "direction); intervals 95% (TOST: 90%). *kind*: **in kind** when the registered "
+            "phenomenon itself happened (runs with the event, Fisher), **in sign** when a "
+            "registered directional difference did, else neither. Corrections: Holm within "
+            "each experiment, Benjamini–Hochberg across every confirmatory endpoint; rows "
+            "an audit marks exploratory (results/audit.yaml) leave both. MDE: the smallest "
+            "true difference the test detects with 80% power at this many pairs and the "
+            "observed SD of the paired differences (Fisher: the fewest treatment events that "
+            "reach p < 0.05 against none). In-kind events (analysis.events): surge = 10-step "
+            "mean entropy ≥ 2× steps 1–10; collapse = 10-step mean reward < 0.5× its best "
+            "after step 20, to the end; entropy guard = a step's entropy > 2× steps 1–10; "
+            "loops = a terminal loop in the last 20% of steps.\n\n") + markdown(table)  # fmt: skip
     write_text_atomic(root / "claims.md", text)
     print(text)
 

@@ -10,7 +10,8 @@ import pandas as pd
 
 from analysis.claims import endpoint_marks
 from analysis.common import savefig
-from analysis.runs import mechanism_caption
+from analysis.events import run_events
+from analysis.runs import load_summary, mechanism_caption
 
 # two-sided 95% Student-t quantiles by degrees of freedom (1.96 beyond 9)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -25,8 +26,17 @@ def ci95(x) -> tuple[float, float]:
     return float(x.mean() - h), float(x.mean() + h)
 
 
-def curve(ax, df: pd.DataFrame, col: str, order: list[str], legend: bool) -> None:
-    """Mean over seeds of `col` per step and arm, with the t-interval band (eval points marked)."""
+# the in-kind event each column's panel marks on its runs (analysis.events), and its marker
+EVENT_MARKS = {"entropy_mean": ("surge", "^"), "reward_mean": ("collapse", "v"),
+               "repetition_terminal_loop_rate": ("loops", "o")}  # fmt: skip
+
+
+def curve(
+    ax, df: pd.DataFrame, col: str, order: list[str], legend: bool, events: pd.DataFrame
+) -> None:
+    """Mean over seeds of `col` per step and arm, with the t-interval band (eval points marked),
+    over every run's own trajectory (thin) with its in-kind event marked where it fired (loops:
+    at the run's last step)."""
     import seaborn as sns
 
     d = df.dropna(subset=[col])
@@ -34,6 +44,15 @@ def curve(ax, df: pd.DataFrame, col: str, order: list[str], legend: bool) -> Non
     marker = "o" if col == "eval_acc" else None
     sns.lineplot(d, x="step", y=col, hue="arm", hue_order=hue_order, errorbar=ci95, ax=ax,
                  marker=marker, legend=legend)  # fmt: skip
+    name, symbol = EVENT_MARKS.get(col, (None, None))
+    for arm, colour in zip(hue_order, sns.color_palette(n_colors=len(hue_order))):
+        for run, g in d[d.arm == arm].groupby("run"):
+            ax.plot(g.step, g[col], color=colour, lw=0.6, alpha=0.3, zorder=1)
+            hit = events[(events.run == run) & (events.get(name, 0) == 1)] if name else events[:0]
+            if len(hit):
+                at = g.step.max() if name == "loops" else hit[f"{name}_at"].iloc[0]
+                y = np.interp(at, g.step, g[col])
+                ax.plot(at, y, symbol, color=colour, mec="black", mew=0.6, ms=6, zorder=5)
 
 
 def panel_row(
@@ -54,11 +73,13 @@ def panel_row(
     import seaborn as sns
 
     caption, marks = mechanism_caption(root, exp, df, arms), endpoint_marks(root, exp)
+    raw = load_summary(root, exp)  # events on the unsmoothed steps
+    events = run_events(raw[raw.complete & raw.run.isin(set(df.run))])
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.2))
     for i, (ax, (col, panel_title, ylabel, *shown)) in enumerate(zip(axes, panels)):
         d = df[df.arm.isin(shown[0])] if shown else df
-        curve(ax, d, col, arms, legend=i in legend_on)
+        curve(ax, d, col, arms, legend=i in legend_on, events=events)
         ax.set(title=panel_title, xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
         if col in marks:  # the registered test: treatment − control, paired by seed
             ax.set_title(panel_title, pad=24)
@@ -78,7 +99,10 @@ def panel_row(
         elif d[col].max() == 0:  # a line on the axis is invisible: say it
             ax.text(0.5, 0.5, "0 in every run and step", transform=ax.transAxes, ha="center")
     n = df.groupby("arm").seed.nunique().min()
-    fig.suptitle(f"{title}; mean, 95% t-CI, {n} seeds")
+    fig.suptitle(
+        f"{title}; mean, 95% t-CI, {n} seeds; thin: each run "
+        "(▲ entropy surge, ▼ reward collapse, ● terminal loops)"
+    )
     bottom = 0.0
     if caption:  # the mechanism check under the panels: a null counts only beside it
         bottom = 0.03 + 0.035 * (caption.count("\n") + 1)

@@ -118,3 +118,70 @@ def fisher_exact(a: int, b: int, c: int, d: int) -> dict[str, float]:
         "p": min(1.0, two), "p_greater": sum(p for k, p in prob.items() if k >= a),
         "p_less": sum(p for k, p in prob.items() if k <= a),
     }  # fmt: skip
+
+
+# --- multiplicity and power ----------------------------------------------------------------------
+
+
+def holm(p) -> np.ndarray:
+    """Holm's step-down adjusted p-values (family-wise error): sorted ascending, the i-th of m
+    (0-based) is multiplied by m − i, made monotone, capped at 1. NaN stays NaN (not tested)."""
+    p = np.asarray(p, float)
+    out = np.full_like(p, np.nan)
+    ok = np.flatnonzero(np.isfinite(p))
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m, running = len(order), 0.0
+    for i, j in enumerate(order):
+        running = max(running, min(1.0, (m - i) * p[j]))
+        out[j] = running
+    return out
+
+
+def benjamini_hochberg(p) -> np.ndarray:
+    """Benjamini–Hochberg adjusted p-values (q-values; false-discovery rate): sorted ascending,
+    the i-th of m (1-based) is p·m/i, made monotone from the largest down, capped at 1."""
+    p = np.asarray(p, float)
+    out = np.full_like(p, np.nan)
+    ok = np.flatnonzero(np.isfinite(p))
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m, running = len(order), 1.0
+    for i in range(m - 1, -1, -1):
+        running = min(running, p[order[i]] * m / (i + 1))
+        out[order[i]] = running
+    return out
+
+
+def mde_paired(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest true mean difference a two-sided paired t-test at `alpha` detects with
+    probability `power` over n pairs whose differences have standard deviation sd:
+    (t_{1−α/2, n−1} + t_{power, n−1}) · sd/√n (the shifted-central-t approximation to the
+    non-central t; a little conservative)."""
+    if n < 2:
+        return float("nan")
+    df = n - 1
+    return (t_quantile(1 - alpha / 2, df) + t_quantile(power, df)) * sd / math.sqrt(n)
+
+
+def pairs_for(diff: float, sd: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """The fewest pairs at which `mde_paired` falls to |diff| (the seeds an observed effect
+    needs; mde decreases in n): doubling to a bracket, then bisection; capped at 2²⁰."""
+    hi = 2
+    while hi < 2**20 and mde_paired(sd, hi, alpha, power) > abs(diff):
+        hi *= 2
+    lo = max(2, hi // 2)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mde_paired(sd, mid, alpha, power) > abs(diff):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def fisher_min_events(n_t: int, n_c: int, alpha: float = 0.05) -> int | None:
+    """The fewest treatment-arm events (of n_t runs) that reach one-sided Fisher p < alpha
+    against no event in the n_c control runs; None when even n_t of n_t does not."""
+    for a in range(n_t + 1):
+        if fisher_exact(a, n_t - a, 0, n_c)["p_greater"] < alpha:
+            return a
+    return None

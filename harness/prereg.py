@@ -9,13 +9,18 @@
       endpoints:
         - name: ...
           metric: <summary.csv column>
-          reduce: final_any | window_mean | last_evals
+          reduce: final_any | window_mean | last_evals | event | slope
           window: [first, last]   # window_mean: steps averaged per run
           n: 3                    # last_evals: how many of the last evaluations
+          event: surge            # event: surge | collapse | entropy_guard | loops (the run's
+                                  # phenomenon, analysis.events; Fisher's test on the counts)
+          warmup: 20              # event collapse: steps before the best reward counts
           test: paired_t | tost | fisher
           margin: 0.02            # tost: the equivalence margin
           where: {sigma: 1.0}     # optional: only runs whose summary columns equal these
           predicted: greater | less   # treatment vs control, as the seed predicts
+      aa_offset: 100        # optional: control-arm seeds s + aa_offset, paired with s, are the
+                            # A/A cell (the same arm twice: the noise floor of every endpoint)
 
 harness.train validates a preset's node before its runs; analysis.claims computes each endpoint
 exactly as registered.
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 from typing import Any
 
-REDUCES = ("final_any", "window_mean", "last_evals")
+REDUCES = ("final_any", "window_mean", "last_evals", "event", "slope")
+# the in-kind events of analysis.events: did the phenomenon itself happen in a run
+EVENTS = ("surge", "collapse", "entropy_guard", "loops")
 TESTS = ("paired_t", "tost", "fisher")
 PREDICTED = ("greater", "less")
 
@@ -61,8 +68,16 @@ def check_prereg(prereg: Any) -> None:
         if ep["test"] == "tost":
             m = ep.get("margin")
             need(isinstance(m, (int, float)) and m > 0, at + "margin", m, "> 0")
-        if ep["test"] == "fisher":
-            need(ep["reduce"] == "final_any", at + "reduce", ep["reduce"],
-                 "final_any (Fisher's test counts runs with an event)")  # fmt: skip
+        if ep["reduce"] == "event":
+            need(ep.get("event") in EVENTS, at + "event", ep.get("event"), ", ".join(EVENTS))
+            w = ep.get("warmup", 20)
+            need(isinstance(w, int) and w >= 0, at + "warmup", w, "an int >= 0")
+        events = ep["reduce"] in ("final_any", "event")
+        if ep["test"] == "fisher" or events:
+            need(events and ep["test"] == "fisher", at + "reduce/test",
+                 f"{ep['reduce']}/{ep['test']}", "final_any or event with fisher (Fisher's test "
+                 "counts runs with an event)")  # fmt: skip
         where = ep.get("where", {})
         need(isinstance(where, dict), at + "where", where, "a mapping of summary columns to values")
+    aa = prereg.get("aa_offset")
+    need(aa is None or (isinstance(aa, int) and aa >= 1), "aa_offset", aa, "an int >= 1")

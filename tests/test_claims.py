@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -9,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from analysis.claims import (
+    corrected,
     endpoint_marks,
     endpoint_values,
     markdown,
@@ -17,8 +19,8 @@ from analysis.claims import (
     stars,
 )
 from analysis.stats import paired_t
-from harness.prereg import check_prereg
 from harness import train
+from harness.prereg import check_prereg
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 PREREG = {
@@ -128,8 +130,10 @@ def test_verdicts_follow_the_registered_test_and_direction():
     table = pd.DataFrame([{"experiment": "x", "claim": "c", "source": "s", "treatment": "T",
                            "control": "C", "endpoint": "e", "metric": "m", "reduce": "r",
                            "test": "paired_t", "predicted": "greater", "seeds_planned": 4,
-                           "mechanism_treatment": "mm", **res}])  # fmt: skip
-    assert "| reproduced | mm |" in markdown(table)
+                           "mechanism_treatment": "mm", "status": "confirmatory",
+                           "kind": "in sign", **res}])  # fmt: skip
+    text = markdown(corrected(table))
+    assert "| reproduced | in sign | Holm and BH |" in text and "| confirmatory | mm |" in text
 
 
 def test_where_selects_one_cell_of_a_grid():
@@ -177,3 +181,69 @@ def test_figure_marks_carry_the_registered_test_worked_by_hand(tmp_path):
     assert marks == {"m": "e: Δ +2.000, 95% CI [-0.484, +4.484], p = 0.074 (n.s.)"}
     assert endpoint_marks(tmp_path, "absent") == {}
     assert [stars(p) for p in (0.0009, 0.009, 0.049, 0.05)] == ["***", "**", "*", "n.s."]
+
+
+def _entropy_runs(surging: dict[str, int], n: int = 5, steps: int = 30) -> pd.DataFrame:
+    """Per arm, `surging[arm]` of n runs whose entropy triples after step 10 (a surge at step
+    15), the rest flat; reward flat."""
+    rows = []
+    for arm, k in surging.items():
+        for seed in range(n):
+            for step in range(1, steps + 1):
+                ent = 3.0 if seed < k and step > 10 else 1.0
+                rows.append(dict(run=f"{arm}{seed}", arm=arm, seed=seed, step=step,
+                                 entropy_mean=ent, reward_mean=0.3, complete=True))  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_an_in_kind_endpoint_counts_runs_in_which_the_entropy_surged():
+    """4/5 surges against 0/5: one-sided Fisher p = C(5,4)/C(10,4) = 5/210; the row is in kind;
+    the same difference as a window mean would only be in sign."""
+    from analysis.claims import in_kind_counts, kind
+
+    df = _entropy_runs({"T": 4, "C": 0})
+    ep = {"name": "surge", "metric": "entropy_mean", "reduce": "event", "event": "surge",
+          "test": "fisher", "predicted": "greater"}  # fmt: skip
+    check_prereg({**PREREG, "endpoints": [ep]})
+    res = run_endpoint(endpoint_values(df, ep), ep, "T", "C")
+    assert res["stat"] == "4/5 vs 0/5 runs" and res["p"] == pytest.approx(5 / 210)
+    assert res["verdict"] == "reproduced" and kind(ep, res["verdict"]) == "in kind"
+    assert res["mde"] == ">= 4/5 vs 0/5"
+    assert in_kind_counts(df, ["T", "C"]).startswith("surge 4/5 (at 15) vs 0/5")
+    win = {"name": "w", "metric": "entropy_mean", "reduce": "window_mean", "window": [20, 30],
+           "test": "paired_t", "predicted": "greater"}  # fmt: skip
+    assert kind(win, "reproduced") == "in sign" and kind(ep, "not resolved") == "neither"
+    with pytest.raises(ValueError, match=r"endpoints\[0\].event"):
+        check_prereg({**PREREG, "endpoints": [{**ep, "event": "spike"}]})
+
+
+def test_corrections_by_hand_and_exploratory_rows_leave_the_families():
+    """Experiment a: p 0.01, 0.04 → Holm 0.02, 0.04; b: 0.03 → 0.03 and an exploratory 0.001.
+    BH over the three confirmatory p (0.01, 0.03, 0.04): 0.03, 0.04, 0.04."""
+    t = pd.DataFrame({
+        "experiment": ["a", "a", "b", "b"], "p": [0.01, 0.04, 0.03, 0.001],
+        "verdict": ["reproduced", "reproduced", "not resolved", "reproduced"],
+        "status": ["confirmatory"] * 3 + ["exploratory: ran before its prereg"],
+    })  # fmt: skip
+    out = corrected(t)
+    assert out.p_holm[:3].tolist() == pytest.approx([0.02, 0.04, 0.03])
+    assert out.q_bh[:3].tolist() == pytest.approx([0.03, 0.04, 0.04]) and np.isnan(out.q_bh[3])
+    assert out.survives.tolist() == ["Holm and BH", "Holm and BH", "—", "not in the family"]
+
+
+def test_the_aa_cell_pairs_the_control_arm_with_itself_on_other_seeds():
+    """Control seeds 0–2 and 100–102 (aa_offset 100): the A/A pairs are (100, 0), (101, 1),
+    (102, 2); the treatment is not used."""
+    from analysis.claims import aa_values
+
+    idx = pd.MultiIndex.from_tuples(
+        [("C", 0), ("C", 1), ("C", 2), ("C", 100), ("C", 101), ("C", 102), ("T", 0)],
+        names=["arm", "seed"],
+    )
+    vals = pd.Series([1.0, 2.0, 3.0, 1.5, 2.5, 3.5, 9.0], index=idx)
+    aa = aa_values(vals, "C", 100)
+    assert aa.xs("A/A", level="arm").to_dict() == {0: 1.5, 1: 2.5, 2: 3.5}
+    assert aa.xs("C", level="arm").to_dict() == {0: 1.0, 1: 2.0, 2: 3.0}
+    ep = PREREG["endpoints"][0]
+    res = run_endpoint(aa, ep, "A/A", "C")
+    assert res["diff"] == pytest.approx(0.5) and res["pairs"] == 3

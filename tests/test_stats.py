@@ -60,3 +60,33 @@ def test_fisher_exact_by_hand():
     five = fisher_exact(5, 0, 0, 5)
     assert five["p_greater"] == pytest.approx(1 / 252) and five["p_less"] == pytest.approx(1.0)
     assert fisher_exact(0, 5, 0, 5)["p"] == pytest.approx(1.0)  # no events anywhere
+
+
+def test_holm_and_benjamini_hochberg_by_hand():
+    """p = 0.01, 0.04, 0.03, 0.005 (m = 4). Holm, ascending 0.005, 0.01, 0.03, 0.04: ×4, ×3, ×2,
+    ×1 → 0.02, 0.03, 0.06, 0.04 → monotone 0.02, 0.03, 0.06, 0.06. BH: ×4/1, ×4/2, ×4/3, ×4/4 →
+    0.02, 0.02, 0.04, 0.04 (already monotone from the top)."""
+    from analysis.stats import benjamini_hochberg, holm
+
+    p = [0.01, 0.04, 0.03, 0.005]
+    assert holm(p) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert benjamini_hochberg(p) == pytest.approx([0.02, 0.04, 0.04, 0.02])
+    assert np.isnan(holm([0.01, np.nan])[1]) and holm([0.01, np.nan])[0] == pytest.approx(0.01)
+    assert holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])  # capped at 1
+
+
+def test_mde_and_seeds_needed_by_hand():
+    """n = 5, sd 1: (t_.975,4 + t_.8,4)/√5 = (2.776 + 0.941)/2.236 = 1.662; at n = 10 the
+    effect mde(10) needs exactly 10 pairs; Fisher: 4/5 vs 0/5 is the first p < 0.05
+    (p = C(5,4)/C(10,4) = 5/210 = 0.0238; 3/5 vs 0/5 gives 10/120 = 1/12)."""
+    from analysis.stats import fisher_min_events, mde_paired, pairs_for
+
+    assert mde_paired(1.0, 5) == pytest.approx((2.776 + 0.941) / math.sqrt(5), abs=2e-3)
+    assert mde_paired(2.0, 5) == pytest.approx(2 * mde_paired(1.0, 5))
+    assert pairs_for(mde_paired(1.0, 10), 1.0) == 10
+    assert pairs_for(mde_paired(1.0, 10) + 1e-9, 1.0) == 10
+    assert pairs_for(mde_paired(1.0, 10) - 1e-9, 1.0) == 11
+    assert fisher_exact(4, 1, 0, 5)["p_greater"] == pytest.approx(5 / 210)
+    assert fisher_min_events(5, 5) == 4
+    assert fisher_exact(3, 2, 0, 5)["p_greater"] == pytest.approx(1 / 12)
+    assert fisher_min_events(2, 2) is None  # 2/2 vs 0/2: p = 1/6

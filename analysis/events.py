@@ -1,0 +1,109 @@
+"""The phenomena themselves, per run: did the entropy surge, did training collapse, did the
+clipped/deleted mass escalate, did responses loop? Small pure functions on one run's per-step
+summary rows (a frame with `step` and the summary.csv columns), used by analysis.claims (the
+in-kind endpoints) and the figures (each run's event marked on its trajectory).
+
+  surge          the 10-step running mean of entropy reaches ≥ 2× its steps 1–10 mean
+                 (Calibrated Clipping's entropy surge; the event and its first step)
+  collapse       the 10-step running mean of training reward falls below 0.5× its best
+                 after the warm-up and stays there to the end (the SNR post §2's collapse)
+  entropy_guard  the training loop's own entropy guard: some step's entropy > 2× the steps
+                 1–10 mean (reported apart from `collapse`: the reward guard alone was
+                 confounded by a task switch)
+  escalation     the slope of the deleted or clipped mass over training, per 100 steps, and
+                 its last-quarter / first-quarter fold (the SNR post §2: the reject arm's
+                 deleted mass grows several-fold while clamp's does not)
+  loops          the terminal-loop rate over the last 20% of steps (OPSD §4); an event when
+                 any response there ends in a loop
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+WINDOW = 10  # steps in a running mean and in the baseline (steps 1–10)
+
+
+def running_mean(run: pd.DataFrame, col: str, window: int = WINDOW) -> pd.Series:
+    """The trailing `window`-step mean of `col`, indexed by step (NaN before a full window)."""
+    s = run.sort_values("step").set_index("step")[col]
+    return s.rolling(window, min_periods=window).mean()
+
+
+def surge(run: pd.DataFrame, factor: float = 2.0, window: int = WINDOW) -> tuple[bool, float]:
+    """(event, first step): the running mean of entropy_mean ≥ factor × its steps 1–10 mean."""
+    s = run.sort_values("step").set_index("step")["entropy_mean"]
+    base = s[s.index <= window].mean()
+    hit = running_mean(run, "entropy_mean", window) >= factor * base
+    return _first(hit)
+
+
+def entropy_guard(run: pd.DataFrame, factor: float = 2.0, window: int = WINDOW):
+    """(event, first step): some step's entropy_mean > factor × its steps 1–10 mean (the
+    loop's guard, `guard.entropy_surge`)."""
+    s = run.sort_values("step").set_index("step")["entropy_mean"]
+    return _first((s > factor * s[s.index <= window].mean()) & (s.index > window))
+
+
+def collapse(run: pd.DataFrame, warmup: int = 20, factor: float = 0.5, window: int = WINDOW):
+    """(event, step): after `warmup` steps, the running mean of reward_mean falls below
+    factor × its best running mean so far and never climbs back above it; the step is the
+    first of that final stretch below."""
+    r = running_mean(run, "reward_mean", window)
+    r = r[r.index > warmup].dropna()
+    if r.empty:
+        return False, float("nan")
+    below = r < factor * r.cummax()
+    if not below.iloc[-1]:
+        return False, float("nan")
+    above = np.flatnonzero(~below.to_numpy())
+    return True, float(r.index[above[-1] + 1] if len(above) else r.index[0])
+
+
+def escalation(run: pd.DataFrame, col: str) -> tuple[float, float]:
+    """(slope of `col` per 100 steps by least squares, last-quarter mean / first-quarter mean)."""
+    s = run.sort_values("step").dropna(subset=[col])
+    x, y = s.step.to_numpy(float), s[col].to_numpy(float)
+    if len(x) < 2:
+        return float("nan"), float("nan")
+    slope = float(np.polyfit(x, y, 1)[0] * 100)
+    q = max(1, len(y) // 4)
+    first = y[:q].mean()
+    return slope, float(y[-q:].mean() / first) if first > 0 else float("nan")
+
+
+def loops(run: pd.DataFrame, tail: float = 0.2) -> tuple[bool, float]:
+    """(event, rate): the mean terminal-loop rate over the last `tail` of the steps; an event
+    when it is > 0."""
+    s = run.sort_values("step")
+    last = s[s.step > s.step.max() * (1 - tail)]["repetition_terminal_loop_rate"]
+    rate = float(last.mean())
+    return rate > 0, rate
+
+
+def _first(hit: pd.Series) -> tuple[bool, float]:
+    steps = hit.index[hit.fillna(False).to_numpy(bool)]
+    return (True, float(steps[0])) if len(steps) else (False, float("nan"))
+
+
+EVENTS = {"surge": surge, "collapse": collapse, "entropy_guard": entropy_guard, "loops": loops}
+
+
+def run_events(df: pd.DataFrame, warmup: int = 20) -> pd.DataFrame:
+    """One row per run of a summary: arm, seed, complete, and for each event whether it
+    happened and when (loops: the tail's rate instead of a step)."""
+    rows = []
+    for run, g in df.groupby("run", sort=True):
+        row = {"run": run, "arm": g.arm.iloc[0], "seed": g.seed.iloc[0]}
+        row["complete"] = bool(g.complete.iloc[0]) if "complete" in g else True
+        for name, fn in EVENTS.items():
+            needs = "repetition_terminal_loop_rate" if name == "loops" else None
+            needs = needs or ("reward_mean" if name == "collapse" else "entropy_mean")
+            if needs not in g or g[needs].isna().all():
+                row[name], row[f"{name}_at"] = np.nan, np.nan
+                continue
+            event, at = fn(g, warmup=warmup) if name == "collapse" else fn(g)
+            row[name], row[f"{name}_at"] = float(event), at
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,64 @@
+"""In-kind events on hand-made trajectories: the step each fires at is worked out by hand."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.events import collapse, entropy_guard, escalation, loops, run_events, surge
+
+
+def _run(**cols) -> pd.DataFrame:
+    n = len(next(iter(cols.values())))
+    return pd.DataFrame({"step": np.arange(1, n + 1), **cols})
+
+
+def test_surge_fires_when_the_running_mean_reaches_twice_the_first_ten_steps():
+    """Entropy 1.0 for steps 1–10, then 3.0: the 10-step running mean at step 10 + k is
+    (10 − k + 3k)/10 = 1 + 0.2k ≥ 2 first at k = 5 (step 15); a single spike is no surge."""
+    ent = [1.0] * 10 + [3.0] * 20
+    assert surge(_run(entropy_mean=ent)) == (True, 15.0)
+    spike = [1.0] * 10 + [5.0] + [1.0] * 19  # running mean 1.4 at most
+    assert surge(_run(entropy_mean=spike))[0] is False
+    assert entropy_guard(_run(entropy_mean=spike)) == (True, 11.0)  # the guard sees the spike
+    assert entropy_guard(_run(entropy_mean=[1.0] * 30))[0] is False
+
+
+def test_collapse_needs_the_fall_to_last_until_the_end():
+    """Reward 0.4 for 40 steps, then 0.1: the running mean (best 0.4) first drops below 0.2 at
+    step 40 + k with (10 − k)·0.4 + 0.1k < 2, i.e. k > 20/3: step 47; with a recovery to 0.4
+    at the end it is no collapse; a drop inside the warm-up does not count."""
+    r = [0.4] * 40 + [0.1] * 20
+    assert collapse(_run(reward_mean=r), warmup=20) == (True, 47.0)
+    back = [0.4] * 40 + [0.1] * 20 + [0.4] * 20
+    assert collapse(_run(reward_mean=back), warmup=20)[0] is False
+    early = [0.4] * 5 + [0.1] * 55  # the best 10-step mean after step 20 is 0.1
+    assert collapse(_run(reward_mean=early), warmup=20)[0] is False
+
+
+def test_escalation_slope_and_fold_by_hand():
+    """mask_frac = 0.01·step over 100 steps: slope 1.0 per 100 steps; quarters 1–25 and 76–100
+    have means 0.13 and 0.88: fold 0.88/0.13."""
+    run = _run(mask_frac=0.01 * np.arange(1, 101))
+    slope, fold = escalation(run, "mask_frac")
+    assert slope == pytest.approx(1.0) and fold == pytest.approx(0.88 / 0.13)
+    assert escalation(_run(mask_frac=[0.05] * 40), "mask_frac") == pytest.approx((0.0, 1.0))
+
+
+def test_loops_reads_the_last_fifth_of_the_steps():
+    """100 steps, loops only in steps 50–60: none in steps 81–100; loops in 91–100 at rate
+    0.5: mean over the last 20 steps 0.25."""
+    rate = np.zeros(100)
+    rate[49:60] = 1.0
+    assert loops(_run(repetition_terminal_loop_rate=rate)) == (False, 0.0)
+    rate[90:] = 0.5
+    assert loops(_run(repetition_terminal_loop_rate=rate)) == (True, 0.25)
+
+
+def test_run_events_one_row_per_run_and_nan_for_metrics_a_run_did_not_log():
+    a = _run(entropy_mean=[1.0] * 10 + [3.0] * 20, reward_mean=[0.3] * 30)
+    b = _run(entropy_mean=[1.0] * 30, reward_mean=[0.3] * 30)
+    df = pd.concat([a.assign(run="a", arm="x", seed=0), b.assign(run="b", arm="y", seed=0)])
+    ev = run_events(df).set_index("run")
+    assert ev.loc["a", "surge"] == 1.0 and ev.loc["a", "surge_at"] == 15.0
+    assert ev.loc["b", "surge"] == 0.0 and np.isnan(ev.loc["b", "surge_at"])
+    assert np.isnan(ev.loc["a", "loops"])  # no repetition column in these runs
