@@ -190,7 +190,7 @@ def test_launchers_compose(tmp_path):
 @pytest.mark.parametrize("noise", ["logit", "layer", "batch", "routing"])
 def test_the_noise_field_follows_the_run_seed(noise, tmp_path):
     """Arms paired by seed share a noise field; different seeds draw different fields (the
-    noise seed was fixed at 0 for every run before issue 16); noise.seed=<n> still pins it."""
+    builders' default seed, 0, would give every run one field); noise.seed=<n> still pins it."""
     with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
         a = compose("train", [f"noise={noise}", "seed=3", f"out={tmp_path}"])
         b = compose("train", [f"noise={noise}", "seed=3", "noise.seed=7", f"out={tmp_path}"])

@@ -1,5 +1,4 @@
-"""The GPU presets `experiments/experiment/gpu/` (issue 18, item 6): composition only, on the CPU,
-no model loaded. Each composes over its sweep grid, asks for a real model in bf16 on CUDA with a
+"""The GPU presets `experiments/experiment/gpu/`: composition only, on the CPU, no model loaded. Each composes over its sweep grid, asks for a real model in bf16 on CUDA with a
 JSONL task whose path the user supplies, keeps its CPU preset's name (results/gpu/<name>/, so
 analysis/ labels the arms as for the CPU runs) and pre-registration shape, passes the harness's
 no-model start-up checks with engine.device=cpu (the presets say cuda: a CPU machine would fail
