@@ -27,7 +27,14 @@ from harness.logprobs import (
     process_logits,
     replay_mask,
 )
-from harness.noise import NoiseModel, RoutingNoise, RoutingReplay, forward_context, prefix_hash
+from harness.noise import (
+    NoiseModel,
+    RoutingNoise,
+    RoutingReplay,
+    forward_context,
+    position_ids,
+    prefix_hash,
+)
 from harness.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
 
 
@@ -107,11 +114,6 @@ def gather_rows(x: Tensor, inv: Tensor) -> Tensor:
     return x.index_select(0, inv)
 
 
-def position_ids(attention_mask: Tensor) -> Tensor:
-    """Left padding: positions count real tokens only (pads get 0)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-
-
 class Engine:
     """`model` is used as given (dtype, attention implementation, attached noise).
 
@@ -163,11 +165,12 @@ class Engine:
         return next((n for n in self.noise if isinstance(n, kind)), None)
 
     def _next_logits(self, ids, attn, cache, hash_BxS) -> Tensor:
-        with forward_context(hash_BxS):
+        pos = position_ids(attn)[:, -ids.shape[1] :]
+        with forward_context(hash_BxS, pos_BxS=pos):
             out = self.model(
                 input_ids=ids,
                 attention_mask=attn,
-                position_ids=position_ids(attn)[:, -ids.shape[1] :],
+                position_ids=pos,
                 cache=cache,
                 use_cache=cache is not None,
                 logits_to_keep=1,
@@ -326,12 +329,12 @@ class Engine:
         decoder = self.model.get_decoder()
         groups = self._prompt_groups(tokens, attention_mask, n_prompt)
         if groups is None:
-            with forward_context(hash_BxS):
+            with forward_context(hash_BxS, pos_BxS=pos):
                 h = decoder(input_ids=tokens, attention_mask=attention_mask, position_ids=pos)
             return h.last_hidden_state[:, n_prompt - 1 : -1]
         first, inv = groups
         cache = DynamicCache()
-        with forward_context(hash_BxS[first, :n_prompt]):
+        with forward_context(hash_BxS[first, :n_prompt], pos_BxS=pos[first, :n_prompt]):
             h_pre = decoder(
                 input_ids=tokens[first, :n_prompt],
                 attention_mask=attention_mask[first, :n_prompt],
@@ -341,7 +344,7 @@ class Engine:
             ).last_hidden_state
         for layer in cache.layers:  # each row's copy of its prompt's keys and values
             layer.keys, layer.values = gather_rows(layer.keys, inv), gather_rows(layer.values, inv)
-        with forward_context(hash_BxS[:, n_prompt:]):
+        with forward_context(hash_BxS[:, n_prompt:], pos_BxS=pos[:, n_prompt:]):
             h_resp = decoder(
                 input_ids=tokens[:, n_prompt:],
                 attention_mask=attention_mask,
@@ -388,15 +391,18 @@ class Engine:
         if support is not None:
             vocab = self.model.config.vocab_size
             keep = replay_mask(support, tokens[:, n_prompt:], vocab).view(B * T, vocab)
-        stats = chunked_stats(
-            h.reshape(B * T, H),
-            self.model.get_output_embeddings(),
-            targets,
-            temperature,
-            keep,
-            self.chunk,
-            hash_N=prefix_hash(tokens, attention_mask)[:, n_prompt - 1 : -1].reshape(-1),
-        )
+        hash_BxT = prefix_hash(tokens, attention_mask)[:, n_prompt - 1 : -1]
+        # the chunks' contexts carry hashes only; this one gives them positions (by hash)
+        with forward_context(hash_BxT, pos_BxS=position_ids(attention_mask)[:, n_prompt - 1 : -1]):
+            stats = chunked_stats(
+                h.reshape(B * T, H),
+                self.model.get_output_embeddings(),
+                targets,
+                temperature,
+                keep,
+                self.chunk,
+                hash_N=hash_BxT.reshape(-1),
+            )
         return {k: v.view(B, T) for k, v in stats.items()}
 
     def logp(

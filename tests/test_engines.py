@@ -150,8 +150,9 @@ def test_weight_sync_copies_and_casts(tiny_llama):
 
 @pytest.mark.parametrize(
     "spec",
-    [("layer", {"sigma": 0.05}), ("logit", {"sigma": 0.5}), ("logit", {"sigma": 0.5, "nu": 3})],
-)
+    [("layer", {"sigma": 0.05}), ("logit", {"sigma": 0.5}), ("logit", {"sigma": 0.5, "nu": 3}),
+     ("position", {"sigma": 0.2, "length": 4.0})],
+)  # fmt: skip
 def test_deterministic_noise_same_in_decode_and_rescore(tiny_llama, spec):
     """A noisy sampler re-scoring its own samples reproduces logp_mu: the noise is a function
     of the prefix, identical in KV-cache decode and full-sequence scoring."""
@@ -407,6 +408,8 @@ def _assert_same_rollout(a, b):
         ("hf", "fp32", "logit", 1.0),
         ("hf", "fp32", "layer", 0.9),
         ("hf", "fp32", "fp8-row", 1.0),
+        ("hf", "fp32", "position", 0.9),
+        ("recompute", "fp32", "position", 1.0),
     ],
 )
 def test_pruned_decode_is_bit_identical_to_decoding_every_row(
@@ -420,7 +423,8 @@ def test_pruned_decode_is_bit_identical_to_decoding_every_row(
     model, tok = _sharpened(tiny_llama)
     model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     specs = {"logit": ("logit", {"sigma": 0.5}), "layer": ("layer", {"sigma": 1e-2}),
-             "fp8-row": ("fp8", {"granularity": "row"})}  # fmt: skip
+             "fp8-row": ("fp8", {"granularity": "row"}),
+             "position": ("position", {"sigma": 0.2, "length": 4.0})}  # fmt: skip
     nz = [build_noise(specs[noise][0], **specs[noise][1])] if noise else []
     eng = Engine(model, tok, noise=nz, kv_cache=path != "recompute")
     try:
@@ -459,6 +463,7 @@ def test_pruned_decode_on_the_task_model_and_which_noise_may_prune(threads):
         n = build_noise(name, **kw)
         assert not n.row_local, name
     assert build_noise("logit").row_local and build_noise("fp8").row_local  # weights only
+    assert build_noise("position").row_local
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -116,7 +116,7 @@ def test_hashed_normal_and_student_t_moments():
 
 
 def test_registry_errors_name_valid_choices(llama):
-    assert set(NOISE) == {"layer", "logit", "fp8", "routing", "replay", "batch"}
+    assert set(NOISE) == {"layer", "logit", "position", "fp8", "routing", "replay", "batch"}
     with pytest.raises(KeyError, match="valid: batch, fp8, layer"):
         build_noise("gaussian")
     with pytest.raises(TypeError, match="valid:.*sigma"):
@@ -147,6 +147,8 @@ SPECS = [
     ("layer", dict(sigma=0.05, mode="mult", layers=[1])),
     ("logit", dict(sigma=0.5)),
     ("logit", dict(sigma=0.5, nu=3.0)),
+    ("position", dict(sigma=0.2, length=4.0)),
+    ("position", dict(sigma=0.2, power=0.5, nu=3.0)),
     ("batch", dict(sigma=0.05)),
     ("fp8", dict(activations=True, granularity="row")),
     (
@@ -610,3 +612,191 @@ def test_fp8_trainer_forward_equals_the_fp8_sampler_and_its_gradient_goes_straig
         torch.testing.assert_close(grads[name].grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7)
     assert not torch.equal(grads[q_proj].detach(), quantised[q_proj])  # master stays high precision
     assert torch.equal(token_logp(model, x), lp_hp)  # detached: the plain model
+
+
+# --- position noise: σ(p) = sigma·(1 + p/length)^power at absolute position p --------------------
+
+
+def uniform_llama():
+    """tiny-llama with a zero lm_head: every logit is 0, so a forward returns the noise itself."""
+    model, tok = load_model("tiny-llama", seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    return model, tok
+
+
+def left_padded(x, pads):
+    """Row b: pads[b] left pads, then x[b, :S − pads[b]]: (ids, mask), both [B, S]."""
+    mask = (torch.arange(x.shape[1])[None] >= torch.tensor(pads)[:, None]).long()
+    out = torch.stack([x[b].roll(n) for b, n in enumerate(pads)]) * mask
+    return out, mask
+
+
+def test_position_noise_is_sigma_of_p_times_the_logit_noise_field():
+    """At zero logits the perturbation is σ(p)·ε exactly, ε the `logit` noise's own field (same
+    seed, same draw), p counting real tokens only: a left-padded row gets what it gets alone,
+    through the fallback (attention_mask) and through an explicit context with positions."""
+    from harness.noise import position_ids
+
+    model, _ = uniform_llama()
+    x = ids(3, 20, seed=5)
+    for kw in [{}, {"nu": 3.0}, {"power": 0.5, "length": 7.0}]:
+        pos_noise = build_noise("position", sigma=0.3, seed=4, **kw)
+        unit = build_noise("logit", sigma=1.0, seed=4, nu=kw.get("nu"))
+        with unit.attached(model):
+            eps = logits(model, x)
+        with pos_noise.attached(model):
+            d = logits(model, x)
+            xp, mask = left_padded(x, [0, 2, 5])
+            padded = logits(model, xp, attention_mask=mask)
+            with forward_context(prefix_hash(xp, mask), pos_BxS=position_ids(mask)):
+                explicit = logits(model, xp, attention_mask=mask)
+        sig = 0.3 * (1 + torch.arange(20.0) / kw.get("length", 32.0)) ** kw.get("power", 1.0)
+        torch.testing.assert_close(d, sig[None, :, None] * eps, rtol=1e-6, atol=0)
+        for b, n in enumerate([0, 2, 5]):  # to an ulp: vectorised pow/cos see other batches
+            torch.testing.assert_close(padded[b, n:], d[b, : 20 - n], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(explicit[b, n:], d[b, : 20 - n], rtol=1e-6, atol=1e-6)
+    power0 = build_noise("position", sigma=0.3, power=0.0)  # power 0: plain `logit` noise
+    with power0.attached(model):
+        flat = logits(model, x)
+    with build_noise("logit", sigma=0.3).attached(model):
+        assert torch.equal(flat, logits(model, x))
+
+
+def test_position_noise_std_at_position_p_is_sigma_of_p():
+    """The law, measured: at zero logits the perturbation's std over B rows × V logits at
+    position p is σ(p) = sigma·(1 + p/length). Its relative standard error is 1/√(2N) (N = B·V
+    Gaussian draws), and the tolerance is 4 of them."""
+    model, _ = uniform_llama()
+    B, S, sigma, length = 64, 48, 0.1, 16.0
+    with build_noise("position", sigma=sigma, length=length).attached(model):
+        d = logits(model, ids(B, S, seed=6))
+    std = d.double().pow(2).mean((0, 2)).sqrt()  # ε has mean 0: the RMS is the std
+    law = sigma * (1 + torch.arange(S, dtype=torch.float64) / length)
+    tol = 4 / (2 * B * d.shape[-1]) ** 0.5
+    assert ((std / law - 1).abs() < tol).all(), (std / law - 1).abs().max()
+    assert std[-1] / std[0] > 3.5  # σ(47)/σ(0) = 3.94: the tail is clearly noisier
+
+
+def test_position_noise_delta_logp_between_clean_trainer_and_noisy_sampler_follows_the_law():
+    """End to end: a noisy sampler at uniform logits samples (prompts of four lengths, so left
+    padding); the clean trainer re-scores. Per absolute position p, to first order
+    Δ = log π − log μ is Gaussian with std σ(p)·√(1 − 1/V) (the gate law at p_j = 1/V), so
+    mean |Δ| = √(2/π)·σ(p)·√(1 − 1/V). Tolerances from the sample: per position 5 standard
+    errors (sd(|Δ|)/mean|Δ| = √(π/2 − 1)) + 3% for the second-order terms; the late/early ratio
+    within 10% of σ(late)/σ(early)."""
+    from harness.engines import Engine
+    from harness.noise import position_ids
+
+    model, tok = uniform_llama()
+    sigma, length, T = 0.05, 8.0, 24
+    noisy = Engine(model, tok, noise=[build_noise("position", sigma=sigma, length=length)])
+    noisy.eos_ids = noisy.eos_ids[:0]  # no EOS: every row runs T tokens
+    prompts = ["1", "12+3=", "hello there you", "a much longer prompt than that"]
+    ro = noisy.generate(prompts, n=96, max_new_tokens=T, seed=1)
+    clean = Engine(uniform_llama()[0], tok).logp(ro)["logp"]
+    assert torch.equal(clean, torch.full_like(clean, -torch.log(torch.tensor(99.0)).item()))
+    delta = (clean - ro.logp_mu).abs().double()
+    pos = position_ids(ro.attention_mask)[:, ro.n_prompt - 1 : -1]  # the logits' positions
+    V, c = 99, (2 / torch.pi) ** 0.5
+    rel_sd = (torch.pi / 2 - 1) ** 0.5
+    ratios = {}
+    for p in pos.unique().tolist():
+        m = pos == p
+        law = c * sigma * (1 + p / length) * (1 - 1 / V) ** 0.5
+        ratios[p] = (delta[m].mean().item() / law, int(m.sum()))
+        assert abs(ratios[p][0] - 1) < 5 * rel_sd / m.sum().item() ** 0.5 + 0.03, (p, ratios[p])
+    early, late = pos < pos.min() + 6, pos > pos.max() - 6
+    sig = sigma * (1 + pos.double() / length)
+    measured = delta[late].mean() / delta[early].mean()
+    assert measured == pytest.approx((sig[late].mean() / sig[early].mean()).item(), rel=0.10)
+    assert measured > 2  # and it does grow along the response
+
+
+def test_position_noise_same_in_prefill_kv_decode_recompute_and_rescore():
+    """With left padding (prompts of different lengths), a noisy sampler decoding with its KV
+    cache and one decoding by full recompute sample the same tokens with the same logp_mu; a
+    noisy trainer re-scoring them reproduces logp_mu; a padded row re-scored alone, unpadded,
+    gets the same numbers (positions count real tokens only)."""
+    from harness.engines import Engine
+
+    model, tok = load_model("tiny-llama", seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    noise = dict(sigma=0.2, length=4.0)
+    kv = Engine(copy.deepcopy(model), tok, noise=[build_noise("position", **noise)])
+    rc = Engine(copy.deepcopy(model), tok, noise=[build_noise("position", **noise)], kv_cache=False)
+    prompts, kw = ["hi", "a much longer prompt"], dict(n=2, max_new_tokens=12, seed=2)
+    a, b = kv.generate(prompts, **kw), rc.generate(prompts, **kw)
+    assert torch.equal(a.response_ids, b.response_ids)
+    m = a.response_mask.bool()
+    assert (a.logp_mu - b.logp_mu)[m].abs().max() <= 1e-5
+    assert (kv.logp(a)["logp"] - a.logp_mu)[m].abs().max() <= 1e-5
+    assert ~a.prompt_mask[0].bool().all()  # row 0 was sampled behind left pads
+    alone = torch.cat([torch.tensor(tok("hi").input_ids), a.response_ids[0]])[None]
+    sc = kv.score(alone, torch.ones_like(alone), n_prompt=alone.shape[1] - a.response_ids.shape[1])
+    assert (sc["logp"][0] - a.logp_mu[0])[m[0]].abs().max() <= 1e-5
+    delta = (Engine(model, tok).logp(a)["logp"] - a.logp_mu)[m]
+    assert delta.abs().mean() > 1e-3  # it is noise w.r.t. the clean trainer
+    assert build_noise("position").row_local
+    assert not build_noise("position", deterministic=False).row_local
+
+
+def test_position_noise_sigma_zero_is_bit_identical_and_sigma_scales_every_position():
+    """sigma = 0: the logits and the sampler's rollouts are bit-identical to no noise.
+    drivers.beta_growth sets `sigma`: doubling it doubles σ(p) at every position, exactly."""
+    from harness.engines import Engine
+
+    model, tok = load_model("tiny-llama", seed=0)
+    x = ids(2, 16)
+    ref = logits(model, x)
+    with build_noise("position", sigma=0.0).attached(model):
+        assert torch.equal(logits(model, x), ref)
+    kw = dict(n=2, max_new_tokens=10, seed=3)
+    clean = Engine(model, tok).generate(["12+3=", "hello"], **kw)
+    zero = Engine(model, tok, noise=[build_noise("position", sigma=0.0)])
+    ro = zero.generate(["12+3=", "hello"], **kw)
+    zero.close()
+    assert torch.equal(ro.response_ids, clean.response_ids)
+    assert torch.equal(ro.logp_mu, clean.logp_mu)
+    u = uniform_llama()[0]
+    noise = build_noise("position", sigma=0.1)
+    with noise.attached(u):
+        d1 = logits(u, x)
+        noise.sigma *= 2  # what drivers.beta_growth does each step
+        d2 = logits(u, x)
+    assert torch.equal(d2, 2 * d1)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"lenght": 3}, r"noise 'position': unknown argument\(s\) \['lenght'\]; valid: \['sigma', "
+                        r"'length', 'power', 'nu', 'seed', 'deterministic'\]"),
+        ({"length": 0}, r"position noise: length must be > 0 \(tokens.*\), got 0"),
+        ({"power": -1}, r"position noise: power must be >= 0 .*got -1"),
+        ({"sigma": -0.1}, r"position noise: sigma must be >= 0, got -0.1"),
+        ({"sigma": float("nan")}, r"position noise: sigma must be >= 0, got nan"),
+        ({"nu": 0}, r"position noise: nu \(degrees of freedom\) must be > 0, got 0"),
+    ],
+)  # fmt: skip
+def test_position_noise_bad_kwargs_name_the_key_the_value_and_what_is_valid(kw, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        build_noise("position", **kw)
+
+
+def test_position_noise_needs_positions_and_the_lookup_is_consistent(llama):
+    """A hooked lm_head call in a context without positions and no enclosing one that has them
+    fails, saying how to pass them; the lookup by prefix hash refuses a hash at two positions."""
+    h = llama.model.norm(llama.model.embed_tokens(ids(1, 4)))
+    with build_noise("position").attached(llama):
+        with forward_context(prefix_hash(ids(1, 4))), pytest.raises(RuntimeError, match="pos_BxS"):
+            llama.lm_head(h)
+        x = ids(1, 4)
+        hx = prefix_hash(x)
+        bad = torch.tensor([[0, 1, 2, 3]])
+        with forward_context(hx.repeat(2, 1), pos_BxS=torch.cat([bad, bad + 1])):
+            with forward_context(hx), pytest.raises(RuntimeError, match="two positions"):
+                llama.lm_head(h)
+        with forward_context(hx, pos_BxS=bad), forward_context(hx[:, 1:]):
+            assert llama.lm_head(h[:, 1:]).shape == (1, 3, 99)  # found by hash

@@ -5,6 +5,8 @@ Registry `NOISE` (name -> class; kwargs are the constructor's, checked at build 
   layer    LayerNoise(sigma=2e-3, layers=None, inject_at=None, mode="norm", seed=0,
            deterministic=True)                          relative residual-stream noise
   logit    LogitNoise(sigma=0.1, nu=None, seed=0, deterministic=True)   Gaussian / Student-t
+  position PositionNoise(sigma=0.1, length=32, power=1, nu=None, seed=0, deterministic=True)
+           logit noise of scale sigma·(1 + p/length)^power at absolute position p
   fp8      Fp8Noise(fmt="e4m3", granularity="tensor", weights=True, activations=False, ...,
            kernel="emulated")   fake-quant FP8, or kernel="scaled_mm": the real FP8 GEMM
   routing  RoutingNoise(sigma=0.1, seed=0, deterministic=True)   MoE router noise + record
@@ -33,6 +35,9 @@ Engine contract
   steps appended along S); trainer `build_noise("replay", indices=rec)` (or `.set_indices`).
   A record shorter than the scored sequence is fine (the rest routes normally).
   `batch` reads `forward_context(h, batch_key=...)` if given, else keys on the batch shape.
+  `position` reads `forward_context(h, pos_BxS=position_ids(mask))` (real tokens only; the
+  engine passes them); without them, from an enclosing context by prefix hash, else from the
+  model call's position_ids / attention_mask / cache length.
 """
 
 from __future__ import annotations
@@ -42,16 +47,24 @@ from typing import Any
 
 from harness.noise.base import NoiseModel
 from harness.noise.batch import BatchNoise
-from harness.noise.context import ForwardContext, current, forward_context, prefix_hash
+from harness.noise.context import (
+    ForwardContext,
+    current,
+    forward_context,
+    position_ids,
+    prefix_hash,
+)
 from harness.noise.fp8 import Fp8Noise, Fp8Trainer, fp8_qdq
 from harness.noise.layer import LayerNoise, layer_amplification
 from harness.noise.logit import LogitNoise
+from harness.noise.position import PositionNoise
 from harness.noise.routing import RoutingNoise, RoutingReplay
 from harness.registry import build, register
 
 NOISE: dict[str, Callable[..., NoiseModel]] = {}
 register(NOISE, "layer")(LayerNoise)
 register(NOISE, "logit")(LogitNoise)
+register(NOISE, "position")(PositionNoise)
 register(NOISE, "fp8")(Fp8Noise)
 register(NOISE, "routing")(RoutingNoise)
 register(NOISE, "replay")(RoutingReplay)
@@ -70,12 +83,14 @@ __all__ = [
     "ForwardContext",
     "current",
     "forward_context",
+    "position_ids",
     "prefix_hash",
     "Fp8Trainer",
     "fp8_qdq",
     "layer_amplification",
     "LayerNoise",
     "LogitNoise",
+    "PositionNoise",
     "Fp8Noise",
     "RoutingNoise",
     "RoutingReplay",

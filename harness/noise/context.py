@@ -7,6 +7,13 @@ prefix ending at each position. Without an active context, `FallbackHashHook` de
 from the call's own `input_ids` (and `attention_mask`), so plain full-sequence forwards are
 deterministic too (but a plain KV decode step then hashes only its own new token).
 
+Positions. A context may also carry each token's position (`pos_BxS`, as `position_ids`: the
+number of real tokens before it, left pads counting none), for noise whose size depends on where
+in the sequence a token is. `positions(S)` returns them for the current forward: from the context
+itself, else by prefix hash from an enclosing context that has them (the engine's scoring wraps
+its chunked lm_head calls in one), else an error. The fallback hook fills them from the call's
+`position_ids`, else its `attention_mask`, else the cache length (as the model itself does).
+
 Random numbers are counter-based: splitmix64 (Steele et al., OOPSLA 2014) in wrapping int64 torch
 ops, then Box–Muller; one 64-bit word gives two normals. No generator state, fully vectorised.
 """
@@ -16,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -94,6 +101,11 @@ def prefix_hash(ids: Tensor, mask: Tensor | None = None, prev: Tensor | None = N
     return p_pow[n] * (h_init.long()[:, None] + x.cumsum(1))
 
 
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Left padding: positions count real tokens only (pads get 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
 # --- the active context -------------------------------------------------------------------------
 
 
@@ -103,6 +115,9 @@ class ForwardContext:
 
     hash_BxS: Tensor  # prefix hash per position of this forward's input
     batch_key: int | None = None  # optional batch-composition key for the `batch` noise
+    pos_BxS: Tensor | None = None  # optional position per token (`position_ids`)
+    # (sorted hashes, their positions): the lookup `positions` builds once per context
+    _by_hash: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False)
 
 
 _STACK: list[ForwardContext] = []
@@ -113,14 +128,22 @@ def current() -> ForwardContext | None:
 
 
 @contextlib.contextmanager
-def forward_context(hash_BxS: Tensor, batch_key: int | None = None) -> Iterator[ForwardContext]:
-    """Wrap one model forward (prefill [B,S] or decode step [B,1]); hooks read its prefix hashes."""
+def forward_context(
+    hash_BxS: Tensor, batch_key: int | None = None, pos_BxS: Tensor | None = None
+) -> Iterator[ForwardContext]:
+    """Wrap one model forward (prefill [B,S] or decode step [B,1]); hooks read its prefix hashes
+    (and positions, when given: `position_ids` of the same [B, S] tokens)."""
     if hash_BxS.dim() != 2 or hash_BxS.dtype != torch.int64:
         raise ValueError(
             f"forward_context needs int64 hashes [B, S], got {hash_BxS.dtype} "
             f"{tuple(hash_BxS.shape)}"
         )
-    ctx = ForwardContext(hash_BxS, batch_key)
+    if pos_BxS is not None and (pos_BxS.shape != hash_BxS.shape or pos_BxS.dtype.is_floating_point):
+        raise ValueError(
+            f"forward_context: pos_BxS must be integer positions shaped like the hashes "
+            f"{tuple(hash_BxS.shape)}, got {pos_BxS.dtype} {tuple(pos_BxS.shape)}"
+        )
+    ctx = ForwardContext(hash_BxS, batch_key, pos_BxS)
     _STACK.append(ctx)
     try:
         yield ctx
@@ -128,8 +151,63 @@ def forward_context(hash_BxS: Tensor, batch_key: int | None = None) -> Iterator[
         _STACK.pop()
 
 
+def positions(S: int, what: str) -> Tensor:
+    """Positions [B, S] of the last S tokens of the current forward (`logits_to_keep`): the
+    context's own, else looked up by prefix hash in the nearest enclosing context that has them."""
+    ctx = current()
+    if ctx is None:
+        raise RuntimeError(f"{what}: no forward context; wrap the call in forward_context")
+    if ctx.pos_BxS is None:
+        outer = next((c for c in reversed(_STACK[:-1]) if c.pos_BxS is not None), None)
+        if outer is None:
+            raise RuntimeError(
+                f"{what}: the forward context carries no positions; pass "
+                "forward_context(hashes, pos_BxS=position_ids(attention_mask)), or call the model "
+                "with input_ids (and attention_mask or position_ids) so the fallback derives them"
+            )
+        return _lookup_positions(outer, ctx.hash_BxS[:, ctx.hash_BxS.shape[1] - S :], what)
+    return ctx.pos_BxS[:, ctx.pos_BxS.shape[1] - S :]
+
+
+def _lookup_positions(outer: ForwardContext, hash_BxS: Tensor, what: str) -> Tensor:
+    """The positions `outer` gives these prefix hashes. A hash names a prefix and a prefix its
+    number of real tokens, so one hash has one position (a pad repeats its predecessor's hash and
+    position); two positions for one hash, or a hash `outer` does not hold, is an error."""
+    if outer._by_hash is None:
+        h, order = outer.hash_BxS.reshape(-1).sort()
+        p = outer.pos_BxS.reshape(-1)[order]
+        if bool(((h[1:] == h[:-1]) & (p[1:] != p[:-1])).any()):
+            raise RuntimeError(f"{what}: one prefix hash at two positions in the outer context")
+        outer._by_hash = (h, p)
+    h, p = outer._by_hash
+    q = hash_BxS.reshape(-1)
+    i = torch.searchsorted(h, q).clamp_max(h.numel() - 1)
+    if not torch.equal(h[i], q):
+        raise RuntimeError(
+            f"{what}: {int((h[i] != q).sum())} token(s) of this forward are not in the enclosing "
+            "context that carries positions; give this forward_context its own pos_BxS"
+        )
+    return p[i].view(hash_BxS.shape)
+
+
+def call_positions(ids: Tensor, kwargs: dict) -> Tensor:
+    """Positions [B, S] of a model call's `input_ids`: its `position_ids`, else those of its
+    `attention_mask` (past + current tokens), else the cache length + 0..S−1 (the model's own)."""
+    B, S = ids.shape
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, Tensor) and pos.dim() == 2 and pos.shape[1] == S:
+        return pos.long().expand(B, S)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == B and mask.shape[1] >= S:
+        return position_ids(mask)[:, mask.shape[1] - S :]
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+    return (torch.arange(S, device=ids.device) + past).expand(B, S)
+
+
 class FallbackHashHook:
-    """Pushes a context derived from `input_ids` when a model is called outside forward_context."""
+    """Pushes a context derived from `input_ids` when a model is called outside forward_context;
+    inside one that carries no positions, pushes a copy with the call's positions."""
 
     def __init__(self, model: nn.Module):
         self._pushed: list[bool] = []
@@ -140,12 +218,18 @@ class FallbackHashHook:
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        push = current() is None and isinstance(ids, Tensor) and ids.dim() == 2
-        if push:
-            mask = kwargs.get("attention_mask")
-            if not (isinstance(mask, Tensor) and mask.shape == ids.shape):
-                mask = None
-            _STACK.append(ForwardContext(prefix_hash(ids, mask)))
+        ctx, push = current(), False
+        if isinstance(ids, Tensor) and ids.dim() == 2:
+            if ctx is None:
+                mask = kwargs.get("attention_mask")
+                if not (isinstance(mask, Tensor) and mask.shape == ids.shape):
+                    mask = None
+                ctx, push = ForwardContext(prefix_hash(ids, mask)), True
+            elif ctx.pos_BxS is None and ctx.hash_BxS.shape == ids.shape:
+                ctx, push = ForwardContext(ctx.hash_BxS, ctx.batch_key), True
+            if push:
+                ctx.pos_BxS = call_positions(ids, kwargs)
+                _STACK.append(ctx)
         self._pushed.append(push)
 
     def _post(self, module: nn.Module, args: tuple, output: object) -> None:

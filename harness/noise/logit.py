@@ -20,14 +20,16 @@ _LOGIT_STREAM = 1_000_003
 class LogitNoise(NoiseModel):
     """z ← z + σε, ε ~ N(0, 1) or, with `nu`, Student-t(ν) (scale σ; std σ√(ν/(ν−2)) for ν > 2)."""
 
+    what = "logit noise"  # names the model in its errors
+
     def __init__(
         self, sigma: float = 0.1, nu: float | None = None, seed: int = 0, deterministic: bool = True
     ):
         super().__init__(seed, deterministic)
-        if sigma < 0:
-            raise ValueError(f"logit noise: sigma must be >= 0, got {sigma}")
-        if nu is not None and nu <= 0:
-            raise ValueError(f"logit noise: nu (degrees of freedom) must be > 0, got {nu}")
+        if not sigma >= 0:
+            raise ValueError(f"{self.what}: sigma must be >= 0, got {sigma}")
+        if nu is not None and not nu > 0:
+            raise ValueError(f"{self.what}: nu (degrees of freedom) must be > 0, got {nu}")
         self.sigma, self.nu = float(sigma), nu
 
     @property
@@ -40,16 +42,21 @@ class LogitNoise(NoiseModel):
             raise ValueError(f"logit noise: {type(model).__name__} has no output embeddings")
         self._hook(head, self._on_logits)
 
+    def _scale(self, B: int, S: int) -> float | Tensor:
+        """σ for the [B, S] positions whose logits are hooked: one number here; a subclass may
+        return a [B, S, 1] tensor (`position` noise)."""
+        return self.sigma
+
     def _on_logits(self, module: nn.Module, args: tuple, z: Tensor) -> Tensor:
         ctx = current()
         if ctx is None:
-            raise RuntimeError("logit noise: no forward context; wrap the call in forward_context")
+            raise RuntimeError(f"{self.what}: no forward context; wrap the call in forward_context")
         # logits_to_keep=k keeps the last k positions: key them by the last k prefix hashes
         B, S, V = z.shape
         h = ctx.hash_BxS[:, ctx.hash_BxS.shape[1] - S :].reshape(-1)
         if h.numel() != B * S:
             raise RuntimeError(
-                f"logit noise: context {tuple(ctx.hash_BxS.shape)} vs logits {tuple(z.shape)}"
+                f"{self.what}: context {tuple(ctx.hash_BxS.shape)} vs logits {tuple(z.shape)}"
             )
         if self.nu is None:
             eps = self._normal(h, V, _LOGIT_STREAM)
@@ -60,4 +67,4 @@ class LogitNoise(NoiseModel):
             u2 = torch.rand(B * S, V, generator=self._gen)
             r = torch.sqrt(self.nu * (u1.pow(-2.0 / self.nu) - 1.0))
             eps = (r * torch.cos((2.0 * math.pi) * u2)).to(z.device)
-        return (z.float() + self.sigma * eps.reshape(B, S, V)).to(z.dtype)
+        return (z.float() + self._scale(B, S) * eps.reshape(B, S, V)).to(z.dtype)
