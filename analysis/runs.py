@@ -10,6 +10,7 @@ figure scripts read only that CSV, through `load_summary`. Shared plotting helpe
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -48,54 +49,77 @@ def objective_kw(cfg: dict, key: str):
     return inspect.signature(OBJECTIVES[kw["name"]]).parameters[key].default
 
 
+_UNSET = object()  # a key neither the config nor a builder's signature gives a value
+
+
+def config_value(cfg: dict, key: str):
+    """A dotted key's value as the run used it: the config's, else (an objective or noise
+    keyword the config leaves out) the builder's default, as `objective_kw`; else _UNSET."""
+    node: object = cfg
+    parts = key.split(".")
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            break
+        node = node[part]
+    else:
+        return node
+    if len(parts) == 2 and parts[0] in ("objective", "noise") and parts[0] in cfg:
+        if parts[0] == "objective":
+            from harness.objectives import OBJECTIVES as builders
+        else:
+            from harness.noise import NOISE as builders
+        builder = builders.get(cfg[parts[0]].get("name"))  # noise=none: no builder
+        param = inspect.signature(builder).parameters.get(parts[1]) if builder else None
+        if param is not None and param.default is not inspect.Parameter.empty:
+            return param.default
+    return _UNSET
+
+
+def _same(value, wanted) -> bool:
+    """A config value against an arm's: equal, a bool only to a bool, a tuple as its list."""
+    if isinstance(value, tuple):
+        value = list(value)
+    return isinstance(value, bool) == isinstance(wanted, bool) and value == wanted
+
+
+def matching_arms(cfg: dict, arms: dict) -> list[str]:
+    """The labels of `arms` (label -> {dotted key: value}) whose values all match `cfg`."""
+    return [
+        label
+        for label, values in arms.items()
+        if all(_same(config_value(cfg, k), v) for k, v in (values or {}).items())
+    ]
+
+
+@functools.cache
+def preset_arms(exp: str) -> dict:
+    """The arms that experiment=<exp> declares (experiments/), for runs whose config.yaml
+    predates the `arms` key; {} when <exp> is no training preset."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from harness import config as _schema  # noqa: F401  (registers train_schema)
+
+    root = Path(__file__).resolve().parents[1] / "experiments"
+    if not (root / "experiment" / f"{exp}.yaml").exists():
+        return {}
+    try:
+        with initialize_config_dir(config_dir=str(root), version_base="1.3"):
+            cfg = compose("train", overrides=[f"experiment={exp}"])
+    except (HydraException, OmegaConfBaseException):  # a measure preset: no arms
+        return {}
+    return OmegaConf.to_container(cfg.arms) if cfg.get("arms") is not None else {}
+
+
 def arm_label(exp: str, cfg: dict) -> str:
-    """The legend name of a run's arm, from its resolved config."""
-    obj, kw = cfg["objective"]["name"], cfg["objective"]
-    if exp in ("collapse_reject_vs_clamp", "collapse_drivers"):
-        if obj == "cispo":
-            return "trust-unbounded (raw r)" if kw["hi"] >= 1e6 else "clamp (CISPO [0.5, 2])"
-        names = {
-            "band": "reject (band [0.5, 2])",  # the matched arm (issue 16)
-            "mis": "reject (mask [0.5, 2])",  # the committed runs' reject arm: PPO base + mask
-        }
-        if obj == "snr_shrink":
-            adaptive = objective_kw(cfg, "adaptive")
-            k = objective_kw(cfg, "every")
-            return f"shrink (adaptive SNR, K = {k})" if adaptive else "shrink (snr_shrink)"
-        return names.get(obj, obj)
-    if exp == "fp8_full_pipeline":
-        if obj == "calibrated_clip":
-            every, ema = objective_kw(cfg, "every"), objective_kw(cfg, "ema")
-            return f"calibrated clip (every {every}, EMA {ema:g})"
-        return "std clip" if obj == "ppo_clip" else obj
-    if exp in ("cis_vs_tis", "cis_dose"):
-        if obj == "cis":
-            return f"CIS (λ = {objective_kw(cfg, 'lam'):g})"
-        return f"TIS (C = {objective_kw(cfg, 'cap'):g})" if obj == "tis" else obj
-    recomputed = cfg["engine"]["logp_old_source"] == "trainer"
-    pi_old = f"π_old {'recomputed' if recomputed else ':= μ'} (std clip)"
-    if exp == "phase_diagram":  # the map's two arms (issue 16)
-        return pi_old
-    if exp == "fp8_entropy_surge":
-        if cfg["noise"]["name"] == "none":
-            return "high precision"
-        if cfg["noise"]["name"] == "logit" and obj == "ppo_clip":  # the β stand-in (issue 16)
-            return pi_old
-        if cfg["noise"].get("kernel") == "scaled_mm" and obj == "ppo_clip":  # real FP8 (GPU)
-            return pi_old
-        if cfg["noise"].get("fmt") == "e5m2":  # the stress arm: E5M2 weights + activations
-            return "FP8 E5M2 W8A8 (std clip)"
-        names = {"tis": "FP8 + TIS", "cis": "FP8 + CIS", "calibrated_clip": "FP8 + calibrated"}
-        return names.get(obj, "FP8 (std clip)")
-    if exp in ("nsr_vs_decay", "nsr_dose"):
-        if obj == "nsr":
-            return {"stochastic": "NSR", "deterministic": "deterministic decay"}.get(
-                kw["mode"], "push control"
-            )
-        return "hard clip"
-    if exp == "opsd_repetition":
-        return "exact FKL (τ = none)" if kw.get("tau") is None else f"clipped FKL (τ = {kw['tau']})"
-    return obj
+    """The legend name of a run's arm: the label of the first arm, of those its preset declares
+    (`arms` in the run's config, else today's experiment=<exp>), whose values its config
+    matches; the objective's name when none does or the preset declares none."""
+    arms = cfg["arms"] if "arms" in cfg else preset_arms(exp)
+    labels = matching_arms(cfg, arms or {})
+    return labels[0] if labels else cfg["objective"]["name"]
 
 
 def load_raw(root: Path, exp: str) -> pd.DataFrame:

@@ -144,6 +144,10 @@ class TrainConfig:
     # arms, endpoints and tests); read by analysis/claims.py from the runs' config.yaml, and part
     # of the resume contract, so it cannot change under a run
     prereg: dict[str, Any] = field(default_factory=dict)
+    # the preset's arms: label -> {dotted config key: value} that selects the arm (the legend and
+    # the prereg's treatment/control name them); read by analysis.runs.arm_label, outside the
+    # resume contract (harness.checkpoint.RESUME_FREE)
+    arms: dict[str, Any] = field(default_factory=dict)
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     progress: bool = True
@@ -178,7 +182,8 @@ OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 # arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked
 # against the builder's signature before any compute (harness.launch.check_nodes).
 OPEN_NODES = (
-    "task", "noise", "objective", "aggregation", "model.warmstart", "prereg", "drivers.harder",
+    "task", "noise", "objective", "aggregation", "model.warmstart", "prereg", "arms",
+    "drivers.harder",
 )  # fmt: skip
 
 

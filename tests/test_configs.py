@@ -264,3 +264,54 @@ def test_measure_writes_to_a_folder_named_after_its_overrides(overrides, out):
         cfg = compose("measure", overrides=overrides, return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
     assert cfg.out == out
+
+
+TRAIN_PRESETS = [p for p in PRESETS if p not in MEASURE_PRESETS] + [
+    f"gpu/{p.stem}"
+    for p in sorted((EXP / "experiment" / "gpu").glob("*.yaml"))
+    if not p.stem.startswith("_") and p.stem not in MEASURE_PRESETS
+]
+
+
+def full_grid(sweep: dict) -> list[list[str]]:
+    """Every point of a `hydra.sweeper.params` grid (seeds: the first), as override lists."""
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in sweep.items()])
+    axes = []
+    for o in parsed:
+        vals = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+        key = o.get_key_element()
+        axes.append([f"{key}={v}" for v in vals[: 1 if key == "seed" else None]])
+    return [list(p) for p in itertools.product(*axes)]
+
+
+def as_override(key: str, value) -> str:
+    """An arm's value as a command-line override (objective.name=X is objective=X: the group
+    file holds only the name)."""
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+    return f"{key}={text}"
+
+
+@pytest.mark.parametrize("name", TRAIN_PRESETS)
+def test_arms_are_declared_once_and_name_every_run(name, tmp_path):
+    """Each arm's label is declared once, in its preset (`arms`: label -> the config values, as
+    dotted keys, that select it; analysis.runs.arm_label reads it). The pre-registration's
+    treatment and control are declared arms; every point of the sweep grid is exactly one arm;
+    an arm's own values set on the preset make a run that arm_label names by that arm (no arm
+    listed before it takes the run)."""
+    from analysis.runs import arm_label, matching_arms
+
+    extra = ["task.path=/data/x.jsonl"] if name.startswith("gpu/") else []
+    cfg, _, sweep = load("train", [f"experiment={name}", *extra], tmp_path)
+    arms, prereg = OmegaConf.to_container(cfg.arms), OmegaConf.to_container(cfg.prereg)
+    if not arms:
+        assert not prereg, f"{name}: pre-registered arms must be declared in `arms`"
+        return
+    assert {prereg["treatment"], prereg["control"]} <= set(arms), name
+    for point in full_grid(sweep):
+        run, _, _ = load("train", [f"experiment={name}", *extra, *point], tmp_path)
+        matched = matching_arms(OmegaConf.to_container(run, resolve=True), arms)
+        assert len(matched) == 1, f"{name} {point}: arms {matched}"
+    for label, values in arms.items():
+        overrides = [as_override(k, v) for k, v in values.items()]
+        run, _, _ = load("train", [f"experiment={name}", *extra, *overrides], tmp_path)
+        assert arm_label(cfg.name, OmegaConf.to_container(run, resolve=True)) == label, overrides

@@ -179,13 +179,17 @@ def test_run_folders_are_flat_under_results_gpu(name):
     assert h["run"]["dir"] == f"results/gpu/{name}/seed=1"
 
 
-def test_real_fp8_entropy_surge_arms_are_told_apart():
+def test_real_fp8_entropy_surge_arms_are_told_apart(tmp_path):
     """The GPU preset's two arms (real FP8 GEMMs, std clip) differ only in π_old's source: the
-    analysis must label them as the pre-registration names them."""
+    analysis must label them as the pre-registration names them, from the arms the run's config
+    declares or (a run made before configs held them) the CPU preset's."""
     from analysis.runs import arm_label
 
-    cfg = {"objective": {"name": "ppo_clip"}, "noise": {"name": "fp8", "kernel": "scaled_mm"}}
     for source, label in [("sampler", "π_old := μ (std clip)"),
                           ("trainer", "π_old recomputed (std clip)")]:  # fmt: skip
-        run = cfg | {"engine": {"logp_old_source": source}}
+        overrides = ["experiment=gpu/fp8_entropy_surge", "task.path=/data/x.jsonl",
+                     f"engine.logp_old_source={source}"]  # fmt: skip
+        run = OmegaConf.to_container(load("train", overrides, tmp_path)[0], resolve=True)
+        assert arm_label("fp8_entropy_surge", run) == label
+        del run["arms"]
         assert arm_label("fp8_entropy_surge", run) == label
