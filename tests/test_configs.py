@@ -187,7 +187,7 @@ def test_launchers_compose(tmp_path):
     assert cfg.hydra.launcher.cpus_per_task == 1
 
 
-@pytest.mark.parametrize("noise", ["logit", "layer", "batch", "routing"])
+@pytest.mark.parametrize("noise", ["logit", "layer", "batch", "routing", "position"])
 def test_the_noise_field_follows_the_run_seed(noise, tmp_path):
     """Arms paired by seed share a noise field; different seeds draw different fields (the
     builders' default seed, 0, would give every run one field); noise.seed=<n> still pins it."""
