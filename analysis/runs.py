@@ -1,4 +1,4 @@
-"""Training runs → tidy frames, for the training figures (issue 8).
+"""Training runs → tidy frames, for the training figures.
 
 Raw run folders `results/<experiment>/<override_dirname>/` (config.yaml +
 metrics.jsonl, git-ignored) are reduced by `analysis/summarize.py` to one committed
