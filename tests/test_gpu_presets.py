@@ -17,16 +17,14 @@ from omegaconf.errors import MissingMandatoryValue
 from test_configs import EXP, MODEL_SPECS, grid, load
 
 from harness.config import TrainConfig
-from harness.models import resolve_device, resolve_dtype
 from harness.noise import build_noise
 from harness.prereg import check_prereg
-from harness.samplers import check_sampler
 
 GPU = EXP / "experiment" / "gpu"
 BASE = GPU / "_base.yaml"  # the GPU scale the training presets inherit: not a preset
-PRESETS = sorted(p.stem for p in GPU.glob("*.yaml") if not p.stem.startswith("_"))
-MEASURE = {"snr_table"}  # harness.measure presets
-TRAIN = sorted(set(PRESETS) - MEASURE)
+TRAIN = sorted(p.stem for p in GPU.glob("*.yaml") if not p.stem.startswith("_"))
+MEASURE = sorted(p.stem for p in (EXP / "measure" / "gpu").glob("*.yaml"))  # measure=gpu/<name>
+PRESETS = sorted(TRAIN + MEASURE)
 DATA = ["task.path=/data/train.jsonl", "engine.device=cpu"]  # what a CPU check must supply
 ARMS = {  # presets whose arms are separate launcher calls, not a sweep axis
     "fp8_full_pipeline": [
@@ -36,16 +34,21 @@ ARMS = {  # presets whose arms are separate launcher calls, not a sweep axis
 }
 
 
+def preset(name: str) -> str:
+    """The override that selects GPU preset `name`: harness.measure's are the `measure` group."""
+    return f"{'measure' if name in MEASURE else 'experiment'}=gpu/{name}"
+
+
 def points(name: str, job: str, tmp: Path) -> list[list[str]]:
     """Every override list the preset's runs use (grid × launcher-call arms), as test_configs."""
     extra = DATA if job == "train" else ["engine.device=cpu"]
-    _, _, sweep = load(job, [f"experiment=gpu/{name}", *extra], tmp)
+    _, _, sweep = load(job, [preset(name), *extra], tmp)
     return [[*p, *a] for p in grid(sweep) for a in ARMS.get(name, [[]])]
 
 
 def launcher(name: str, job: str, overrides: list[str]):
     with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
-        cfg = compose(job, [f"experiment=gpu/{name}", *overrides], return_hydra_config=True)
+        cfg = compose(job, [preset(name), *overrides], return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
     return OmegaConf.to_container(cfg.hydra, resolve=True)
 
@@ -62,8 +65,9 @@ def test_one_gpu_preset_per_seed_experiment():
         "cis_vs_tis",
     }
     for name in PRESETS:
-        assert (GPU / f"{name}.yaml").read_text().startswith("# @package _global_")
-        assert (EXP / "experiment" / f"{name}.yaml").exists(), f"{name}: no CPU preset"
+        group = EXP / preset(name).split("=")[0]
+        assert (group / "gpu" / f"{name}.yaml").read_text().startswith("# @package _global_")
+        assert (group / f"{name}.yaml").exists(), f"{name}: no CPU preset"
 
 
 @pytest.mark.parametrize("name", TRAIN)
@@ -121,29 +125,25 @@ def test_train_preset_composes_and_passes_start_up_checks(name, tmp_path):
                 build_noise(node.name, **kw)
 
 
-@pytest.mark.parametrize("name", sorted(MEASURE))
+@pytest.mark.parametrize("name", MEASURE)
 def test_measure_preset_composes_and_passes_start_up_checks(name, tmp_path):
     from harness.launch import check_nodes
-    from harness.measure import noise_nodes
+    from harness.measure import validate
+    from harness.setup import noise_nodes
 
-    cfg, _, _ = load("measure", [f"experiment=gpu/{name}"], tmp_path)
+    cfg, _, _ = load("measure", [preset(name)], tmp_path)
     assert cfg.name == name and cfg.engine.device == "cuda" and not cfg.engine.tf32
-    assert cfg.trainer_dtype == cfg.sampler_dtype == "bf16"
+    assert cfg.engine.trainer_dtype == cfg.engine.sampler_dtype == "bf16"
     assert cfg.model.spec not in MODEL_SPECS and "/" in cfg.model.spec
     assert 512 <= cfg.max_new_tokens <= 1024
     for point in points(name, "measure", tmp_path):
-        overrides = [f"experiment=gpu/{name}", "engine.device=cpu", *point]
-        cfg, _, _ = load("measure", overrides, tmp_path)
+        cfg, _, _ = load("measure", [preset(name), "engine.device=cpu", *point], tmp_path)
         check_nodes(cfg)
+        validate(cfg)  # every check that needs no model: dtypes, sampler, device
         nodes = noise_nodes(cfg)
         assert [n["kernel"] for n in nodes if n["name"] == "fp8"] == ["scaled_mm"]
         for n in nodes:
             build_noise(n["name"], **{k: v for k, v in n.items() if k != "name"})
-        check_sampler(cfg.engine.sampler, cfg.engine.ct2.compute_type,
-                      [n["name"] for n in nodes], cfg.sampler_dtype)  # fmt: skip
-        for key in ("trainer_dtype", "sampler_dtype"):
-            resolve_dtype(cfg[key], key)
-        resolve_device(cfg.engine.device)
 
 
 @pytest.mark.parametrize("name", PRESETS)
