@@ -4,16 +4,20 @@ The same class plays both roles. As the *sampler* μ it generates with a KV cach
 per response token, `logp_mu` (log-prob under the law actually sampled from: temperature, top-k,
 top-p, renormalised), and the kept support (for mask replay). As a *policy* (π_θ, π_old) it
 scores a rollout's tokens in chunks of positions (`logp`: with or without grad, the one entry
-point the loop, the measurement job and the benchmarks use).
+point the loop, the measurement job and the benchmarks use). Without grad, `logp` scores in
+micro-batches of at most `micro_batch_tokens` tokens; `activation_checkpointing` recomputes each
+decoder layer in backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import trange
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -27,10 +31,12 @@ from harness.logprobs import (
     process_logits,
     replay_mask,
 )
+from harness.models import decoder_layers
 from harness.noise import (
     NoiseModel,
     RoutingNoise,
     RoutingReplay,
+    current,
     forward_context,
     position_ids,
     prefix_hash,
@@ -114,13 +120,87 @@ def gather_rows(x: Tensor, inv: Tensor) -> Tensor:
     return x.index_select(0, inv)
 
 
+def micro_batches(n_tokens: Tensor, budget: int | None) -> list[slice]:
+    """Consecutive runs of rows, in order, each holding at most `budget` tokens (`n_tokens` [b]:
+    each row's prompt + response tokens, padding not counted), filled greedily; a row above the
+    budget is a micro-batch alone. `budget` None: one run of all rows. Whole rows only, so a
+    sequence-level quantity is never split."""
+    if budget is None:
+        return [slice(0, len(n_tokens))]
+    parts, start, used = [], 0, 0
+    for i, n in enumerate(n_tokens.tolist()):
+        if i > start and used + n > budget:
+            parts.append(slice(start, i))
+            start, used = i, 0
+        used += n
+    parts.append(slice(start, len(n_tokens)))
+    return parts
+
+
+# --- activation checkpointing ----------------------------------------------------------------
+
+
+def checkpoint_layers(model: nn.Module, context_fn: Callable) -> list[nn.Module]:
+    """Recompute each decoder layer's activations in backward instead of keeping them
+    (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"): a pass with grad keeps
+    only each layer's input. torch.utils.checkpoint, non-reentrant, per layer, with `context_fn`
+    (what the recomputation runs inside). The wrapper is an instance attribute that shadows the
+    class's `forward`, as the FP8 trainer's linears are patched: take copies of the model before.
+    Returns the wrapped layers (`uncheckpoint_layers` undoes it)."""
+    layers = list(decoder_layers(model))
+    for layer in layers:
+        layer.forward = _checkpointed(layer.forward, context_fn)
+    return layers
+
+
+def uncheckpoint_layers(layers: list[nn.Module]) -> None:
+    for layer in layers:
+        del layer.forward  # the class's forward again
+
+
+def _checkpointed(forward: Callable, context_fn: Callable) -> Callable:
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # no backward to recompute for: scoring, sampling
+            return forward(*args, **kwargs)
+        # a layer that wrote a KV cache would write it again when recomputed; the gradient
+        # passes need none (as transformers' own checkpointing, the cache is dropped)
+        for key in ("cache", "past_key_values"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = None
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def _as_in_forward(ctx, routes: list[tuple[RoutingReplay, Tensor | None]]):
+    """Re-enter what a layer's forward saw: its forward context (prefix hashes and positions,
+    which trainer-side noise keys on) and R3's replayed routes; both belong to one scoring call
+    and are gone when backward recomputes the layer."""
+    before = [(replay, replay.indices) for replay, _ in routes]
+    for replay, indices in routes:
+        replay.indices = indices
+    try:
+        if ctx is None:
+            yield
+        else:
+            with forward_context(ctx.hash_BxS, ctx.batch_key, ctx.pos_BxS):
+                yield
+    finally:
+        for replay, indices in before:
+            replay.indices = indices
+
+
 class Engine:
     """`model` is used as given (dtype, attention implementation, attached noise).
 
     kv_cache=False decodes by full recompute at every step (the `kv` natural difference).
     `noise` models are attached to `model` for the engine's lifetime (`close()` detaches them);
     every forward runs inside a determinism context keyed by the token prefix, so deterministic
-    noise is the same in prefill, KV-cache decode and re-scoring.
+    noise is the same in prefill, KV-cache decode and re-scoring. `micro_batch_tokens`: `logp`
+    without grad scores at most that many tokens at a time (`micro_batches`; None: all rows at
+    once); `activation_checkpointing`: a pass with grad recomputes each decoder layer in
+    backward (`checkpoint_layers`).
     """
 
     def __init__(
@@ -130,6 +210,8 @@ class Engine:
         noise: Sequence[NoiseModel] = (),
         kv_cache: bool = True,
         chunk: int = DEFAULT_CHUNK,
+        micro_batch_tokens: int | None = None,
+        activation_checkpointing: bool = False,
     ):
         self.model = model
         self.noise: list[NoiseModel] = []
@@ -147,6 +229,14 @@ class Engine:
         self.device = next(model.parameters()).device  # every tensor it makes lives here
         self.eos_ids = eos_ids(model).to(self.device)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
+        self.micro_batch_tokens = micro_batch_tokens
+        self._checkpointed: list[nn.Module] = []
+        if activation_checkpointing:
+            try:
+                self._checkpointed = checkpoint_layers(model, self._recompute_context)
+            except ValueError as e:
+                self.close()
+                raise ValueError(f"engine.activation_checkpointing=true: {e}") from e
 
     # --- prompts ---------------------------------------------------------------------------
 
@@ -157,12 +247,27 @@ class Engine:
     # --- sampler ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Detach the noise models (reverse order): the model is bit-identical to before."""
+        """Detach the checkpointing and the noise models (reverse order): the model is
+        bit-identical to before."""
+        uncheckpoint_layers(self._checkpointed)
+        self._checkpointed = []
         while self.noise:
             self.noise.pop().detach()
 
     def _noise_of(self, kind: type) -> NoiseModel | None:
         return next((n for n in self.noise if isinstance(n, kind)), None)
+
+    def _recompute_context(self):
+        """torch.utils.checkpoint's `context_fn`, called as a checkpointed layer runs forward:
+        its recomputation in backward runs as that forward did (`_as_in_forward`)."""
+        routes = [(n, n.indices) for n in self.noise if isinstance(n, RoutingReplay)]
+        return contextlib.nullcontext(), _as_in_forward(current(), routes)
+
+    def micro_batches(self, ro: Rollout, rows: Tensor) -> list[slice]:
+        """`micro_batches` of rows `rows` of `ro` under this engine's `micro_batch_tokens`."""
+        if self.micro_batch_tokens is None:
+            return [slice(0, len(rows))]
+        return micro_batches(ro.attention_mask[rows].sum(1), self.micro_batch_tokens)
 
     def _next_logits(self, ids, attn, cache, hash_BxS) -> Tensor:
         pos = position_ids(attn)[:, -ids.shape[1] :]
@@ -358,8 +463,12 @@ class Engine:
         self, tokens: Tensor, attention_mask: Tensor, n_prompt: int
     ) -> tuple[Tensor, Tensor] | None:
         """(one row index per distinct prompt [U], each row's prompt index [B]), or None when no
-        two rows share a prompt (or sharing is off)."""
+        two rows share a prompt (or sharing is off). Off too in a pass with grad under activation
+        checkpointing: the shared prefix reaches the rows through a KV cache, which a recomputed
+        layer cannot write again."""
         if not self._can_share_prefix() or tokens.shape[0] < 2:
+            return None
+        if self._checkpointed and torch.is_grad_enabled():
             return None
         m = attention_mask[:, :n_prompt].long()
         key = torch.cat([tokens[:, :n_prompt] * m, m], 1)
@@ -420,9 +529,21 @@ class Engine:
         softmax(z/T) at the rollout's temperature, restricted to the sampler's top-k/top-p
         support with `mask_replay`. An engine with a `replay` noise model replays the sampler's
         routes of exactly these rows (R3), for this call only: any other forward of the model
-        (evaluation, generation, another rollout's rows) routes by its own gate."""
+        (evaluation, generation, another rollout's rows) routes by its own gate. Without grad the
+        rows run in `micro_batches` (concatenated in `rows` order); a pass with grad is one, as
+        given (harness.step.update splits a minibatch and accumulates the gradient)."""
         rows = torch.arange(ro.response_ids.shape[0]) if rows is None else rows
         rows = rows.to(ro.response_ids.device)
+        if grad:
+            return self._logp_rows(ro, rows, True, stats, mask_replay)
+        parts = self.micro_batches(ro, rows)
+        outs = [self._logp_rows(ro, rows[p], False, stats, mask_replay) for p in parts]
+        return outs[0] if len(outs) == 1 else {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+
+    def _logp_rows(
+        self, ro: Rollout, rows: Tensor, grad: bool, stats: bool, mask_replay: bool
+    ) -> dict[str, Tensor]:
+        """One scoring call of rows `rows`, with R3's routes of these rows set for it only."""
         replay = self._noise_of(RoutingReplay)
         if replay is None:
             return self._logp(ro, rows, grad, stats, mask_replay)
