@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from harness.batch import TokenBatch
-from harness.engines import Engine
+from harness.engines import Engine, micro_batches
+from harness.objectives.core import ObjectiveOutput
 from harness.rollout import Rollout
 
 ADVANTAGES = ("grpo", "drgrpo")
@@ -147,16 +149,32 @@ def adamw(model: torch.nn.Module, **kw: Any):
     return MasterAdamW(model, **kw)
 
 
+# --- the backward of one minibatch: whole, or micro-batch by micro-batch ------------------------
+#
+# A `Backward` runs the minibatch's forward and backward passes, leaving the gradient of its loss
+# in the parameters' .grad, and returns the loss (and metrics); None when the loss is non-finite
+# (the step is then skipped). Micro-batches (engine.micro_batch_tokens) give the gradient of the
+# minibatch's loss, not a mean of micro-batch losses: naive gradient accumulation averages
+# per-micro-batch token means, which weights a token by 1/(its micro-batch's token count), the
+# length bias of Dr. GRPO (Liu et al. 2025) and of the gradient-accumulation loss that
+# transformers fixed ("Fixing Gradient Accumulation", Hugging Face blog, 2024), and would also
+# split every minibatch-level quantity of an objective.
+
+Backward = Callable[[], ObjectiveOutput | None]
+
+
 def optimizer_step(
-    model: torch.nn.Module, loss: Tensor, opt, grad_clip: float, restore=None
-) -> float | None:
-    """backward, clip, step; None (and no step) when the loss or the gradient is non-finite, or
-    when the step made a weight non-finite: then `restore()` puts the previous weights back
+    model: torch.nn.Module, backward: Backward, opt, grad_clip: float, restore=None
+) -> tuple[float, ObjectiveOutput] | None:
+    """Zero the gradients, `backward()` (fills them; see `Backward`), clip, step: (gradient norm,
+    the step's loss and metrics). None (and no step) when the loss or the gradient is non-finite,
+    or when the step made a weight non-finite: then `restore()` puts the previous weights back
     (the optimizer's moments keep this step's finite gradient)."""
     opt.zero_grad(set_to_none=True)
-    if not torch.isfinite(loss):
+    res = backward()
+    if res is None:
+        opt.zero_grad(set_to_none=True)  # what micro-batches before a non-finite one left
         return None
-    loss.backward()
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if not torch.isfinite(gnorm):
         opt.zero_grad(set_to_none=True)
@@ -167,19 +185,52 @@ def optimizer_step(
     ):
         restore()
         return None
-    return float(gnorm)
+    return float(gnorm), res
 
 
-def step_and_log(model, res, lag: int, opt, grad_clip: float, restore, on_step) -> dict | None:
-    """One optimizer step on `res.loss` (an ObjectiveOutput); its metrics, or None if skipped."""
-    gnorm = optimizer_step(model, res.loss, opt, grad_clip, restore)
-    if gnorm is None:
+def step_and_log(
+    model, backward: Backward, lag: int, opt, grad_clip: float, restore, on_step
+) -> dict | None:
+    """One optimizer step on what `backward()` accumulates; its metrics, or None if skipped."""
+    out = optimizer_step(model, backward, opt, grad_clip, restore)
+    if out is None:
         return None
+    gnorm, res = out
     if on_step is not None:
         on_step()
     return {
         **res.metrics, "loss": float(res.loss.detach()), "grad/norm": gnorm, "alpha/lag": float(lag)
     }  # fmt: skip
+
+
+def backward_whole(objective, logp: Tensor, mb: TokenBatch) -> ObjectiveOutput | None:
+    """The objective on the minibatch; backward unless its loss is non-finite."""
+    res = objective(logp, mb)
+    if not torch.isfinite(res.loss):
+        return None
+    res.loss.backward()
+    return res
+
+
+def backward_through_logp(
+    objective, logp: Tensor, mb: TokenBatch, policy: Engine, ro: Rollout, rows: Tensor,
+    parts: list[slice], mask_replay: bool,
+) -> ObjectiveOutput | None:  # fmt: skip
+    """A policy objective's loss L depends on θ only through log π_θ of the minibatch's tokens,
+    so ∇_θ L = Σ_{i,t} (∂L/∂logp_it) ∇_θ logp_it (the chain rule; GradCache, Gao et al. 2021,
+    "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"). `logp` is the
+    minibatch's log-probs from a pass without grad, as a leaf: the objective runs once on the
+    whole minibatch (its denominators, quantiles, sequence-level ratios, random draws and state
+    are the one-shot step's), its backward gives g = ∂L/∂logp [b, T]; then each micro-batch is
+    scored again with grad and backpropagates its rows of g, the parameters' .grad summing them."""
+    res = backward_whole(objective, logp, mb)
+    if res is None:
+        return None
+    g = logp.grad
+    for p in parts:
+        out = policy.logp(ro, rows[p], grad=True, stats=False, mask_replay=mask_replay)
+        out["logp"].backward(g[p])
+    return res
 
 
 def trust_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> float:
@@ -213,8 +264,12 @@ def update(
     recompute `logp_recompute` is its high-precision π_old, `logp_old` the low-precision one;
     with a low-precision trainer, `shadow(rows)` gives the high-precision (π_θ, π_old) instead).
     `on_step()` runs after each optimizer step (the loop's weight history); `restore()` after a
-    step that made a weight non-finite (see `optimizer_step`). Returns (the batch with π_old,
-    per-minibatch metrics, number of minibatches skipped as non-finite)."""
+    step that made a weight non-finite (see `optimizer_step`). With the policy's
+    `micro_batch_tokens` a minibatch that needs more than one micro-batch is scored without grad
+    first, micro-batch by micro-batch (that pass is π_old when the training pass doubles as it),
+    and the gradient is accumulated by `backward_through_logp`: the step equals the one-shot
+    step up to float rounding, at the cost of one forward without grad. Returns (the batch with
+    π_old, per-minibatch metrics, number of minibatches skipped as non-finite)."""
     if batch.logp_old is None and len(schedule) != 1:
         raise ValueError("π_old from the training pass needs exactly one minibatch")
     metrics: list[dict[str, float]] = []
@@ -222,21 +277,30 @@ def update(
     policy.model.train()
     for i, (rows, lag) in enumerate(schedule):
         rows = rows.to(policy.device)
+        parts = policy.micro_batches(ro, rows)
+        whole = len(parts) == 1  # the pass with grad is the loss's input
         out = policy.logp(
-            ro, rows, grad=True, stats=batch.logp_old is None, mask_replay=mask_replay
-        )
+            ro, rows, grad=whole, stats=batch.logp_old is None, mask_replay=mask_replay
+        )  # without grad: micro-batch by micro-batch
         if batch.logp_old is None:  # the pass is in `rows` order (a permutation of all rows)
             order = torch.empty_like(rows)
             order[rows] = torch.arange(len(rows), device=rows.device)
             batch = batch.with_old({k: v[order] for k, v in out.items()}, logp_old_source)
         logp, mb = out["logp"], batch.index(rows)
+        if whole:
+            backward = partial(backward_whole, objective, logp, mb)
+        else:
+            logp = logp.detach().requires_grad_()
+            backward = partial(
+                backward_through_logp, objective, logp, mb, policy, ro, rows, parts, mask_replay
+            )
         if calibrate and i == 0:
             hp, old_hp = shadow(rows) if shadow else (logp.detach(), mb.logp_recompute)
             metrics.append(
                 objective.calibrate(hp, old_hp, logp.detach(), mb.logp_old, mb.advantages, mb.mask)
             )
         trust = trust_log_ratio(logp.detach(), mb.logp_old, mb.mask)
-        m = step_and_log(policy.model, objective(logp, mb), lag, opt, grad_clip, restore, on_step)
+        m = step_and_log(policy.model, backward, lag, opt, grad_clip, restore, on_step)
         skipped += m is None
         metrics += [m | {"trust/mean_abs_log_ratio": trust}] if m is not None else []
     policy.model.eval()
@@ -257,6 +321,54 @@ def student_teacher_logits(
     return s[:, -T - 1 : -1], t[:, -T - 1 : -1]
 
 
+class PartMetrics(Protocol):
+    """A minibatch metric gathered micro-batch by micro-batch: `collect(s_logits, t_logits,
+    rows)` keeps what it needs of one micro-batch (small), `reduce(collected)` gives the
+    minibatch's metrics from all of them (e.g. harness.objectives.opsd.CopyExitMass)."""
+
+    def collect(self, s_logits: Tensor, t_logits: Tensor, rows: Tensor) -> Any: ...
+
+    def reduce(self, collected: list[Any]) -> dict[str, float]: ...
+
+
+def weighted_sum(outs: list[ObjectiveOutput], weights: list[Tensor]) -> ObjectiveOutput:
+    """Σ_p w_p · (loss_p, metrics_p): token means of micro-batches → the minibatch's token mean
+    when w_p is micro-batch p's share of the minibatch's tokens."""
+    loss = sum(w * o.loss.detach() for w, o in zip(weights, outs))
+    keys = outs[0].metrics.keys()
+    metrics = {k: sum(float(w) * o.metrics[k] for w, o in zip(weights, outs)) for k in keys}
+    return ObjectiveOutput(loss, metrics)
+
+
+def backward_distill(
+    student: Engine, teacher: torch.nn.Module, objective, mask: Tensor, ro: Rollout, rows: Tensor,
+    parts: list[slice], teacher_ids: Tensor, teacher_mask: Tensor, extra: PartMetrics | None,
+) -> ObjectiveOutput | None:  # fmt: skip
+    """OPSD's loss and metrics are token means over the minibatch, with a denominator N (its
+    response tokens) that does not depend on θ: micro-batch p (n_p tokens) backpropagates
+    (n_p/N)·mean_p, and Σ_p (n_p/N)·mean_p is the minibatch's mean (the gradient-accumulation
+    normalisation of verl's and TRL's token-mean losses); its metrics merge with the same weights.
+    The student's and the teacher's logits exist for one micro-batch at a time."""
+    n_total = mask[rows].sum()
+    outs, weights, collected = [], [], []
+    for p in parts:
+        r = rows[p]
+        s, t = student_teacher_logits(student, teacher, ro, r, teacher_ids[r], teacher_mask[r])
+        res = objective(s, t, mask[r])
+        if not torch.isfinite(res.loss):
+            return None
+        w = mask[r].sum() / n_total
+        (w * res.loss).backward()
+        outs.append(res)
+        weights.append(w)
+        if extra is not None:
+            collected.append(extra.collect(s.detach(), t, r))
+    res = weighted_sum(outs, weights)
+    if extra is not None:
+        res.metrics.update(extra.reduce(collected))
+    return res
+
+
 def update_distill(
     student: Engine,
     teacher: torch.nn.Module,
@@ -268,25 +380,28 @@ def update_distill(
     grad_clip: float,
     teacher_ids: Tensor,
     teacher_mask: Tensor,
-    extra_metrics: Callable[[Tensor, Tensor, Tensor], dict[str, Any]] | None = None,
+    extra_metrics: PartMetrics | None = None,
     on_step: Callable[[], None] | None = None,
     restore: Callable[[], None] | None = None,
 ) -> tuple[list[dict[str, float]], int]:
     """OPSD: the student minimises `objective(student_logits, teacher_logits, mask)` on its own
-    samples, one optimizer step per minibatch; `extra_metrics(s_logits, t_logits, rows)` adds
-    per-minibatch metrics (the loop's exit mass at first-copy positions)."""
+    samples, one optimizer step per minibatch, in micro-batches of at most the student's
+    `micro_batch_tokens` (a row counts its longer prompt, the teacher's privileged one, plus its
+    response); `extra_metrics` adds per-minibatch metrics (the loop's exit mass at first-copy
+    positions)."""
     metrics: list[dict[str, float]] = []
     skipped = 0
     student.model.train()
     for rows, lag in schedule:
         rows = rows.to(student.device)
-        s, t = student_teacher_logits(
-            student, teacher, ro, rows, teacher_ids[rows], teacher_mask[rows]
-        )
-        res = objective(s, t, batch.mask[rows])
-        if extra_metrics is not None:
-            res.metrics.update(extra_metrics(s, t, rows))
-        m = step_and_log(student.model, res, lag, opt, grad_clip, restore, on_step)
+        n_tokens = teacher_mask[rows].sum(1) + ro.response_mask[rows].sum(1)
+        n_tokens = torch.maximum(ro.attention_mask[rows].sum(1), n_tokens)
+        parts = micro_batches(n_tokens, student.micro_batch_tokens)
+        backward = partial(
+            backward_distill, student, teacher, objective, batch.mask, ro, rows, parts,
+            teacher_ids, teacher_mask, extra_metrics,
+        )  # fmt: skip
+        m = step_and_log(student.model, backward, lag, opt, grad_clip, restore, on_step)
         skipped += m is None
         metrics += [m] if m is not None else []
     student.model.eval()

@@ -107,16 +107,22 @@ def opsd_fkl(
 
 
 @torch.no_grad()
-def copy_exit_mass(s_logits, t_logits, reports: list[dict]) -> dict[str, float]:
-    """OPSD Table 2 at first-copy positions: exit mass 1 − p(copy token) under the teacher and
-    1 − q under the student (T = 1 softmax); ratio R = Σ(1−q)/Σ(1−p) < 1 means the student is
-    more willing than its teacher to continue the loop."""
+def copy_probs(s_logits, t_logits, reports: list[dict]) -> tuple[list[Tensor], list[Tensor]]:
+    """The teacher's p and the student's q of each row's copy tokens at its first-copy
+    positions (T = 1 softmax); rows without a copy give nothing."""
     p, q = [], []
     for s, t, rep in zip(s_logits, t_logits, reports):
         pos, tok = rep["first_copy_positions"], rep["first_copy_tokens"]
         if pos:
             p.append(copy_token_probs(t.float().softmax(-1), pos, tok))
             q.append(copy_token_probs(s.float().softmax(-1), pos, tok))
+    return p, q
+
+
+def exit_mass_metrics(p: list[Tensor], q: list[Tensor]) -> dict[str, float]:
+    """OPSD Table 2 at first-copy positions: exit mass 1 − p(copy token) under the teacher and
+    1 − q under the student; ratio R = Σ(1−q)/Σ(1−p) < 1 means the student is more willing than
+    its teacher to continue the loop."""
     if not p:
         return {}
     em = exit_mass(torch.cat(p), torch.cat(q))
@@ -127,10 +133,31 @@ def copy_exit_mass(s_logits, t_logits, reports: list[dict]) -> dict[str, float]:
     }
 
 
+def copy_exit_mass(s_logits, t_logits, reports: list[dict]) -> dict[str, float]:
+    """`exit_mass_metrics` of these rows' logits."""
+    return exit_mass_metrics(*copy_probs(s_logits, t_logits, reports))
+
+
+class CopyExitMass:
+    """The exit mass of a minibatch, gathered micro-batch by micro-batch (harness.step's
+    `PartMetrics`): `collect` keeps the copy tokens' probabilities of rows `rows` (of the
+    rollout whose repetition `reports` these are), `reduce` is `exit_mass_metrics` of them all."""
+
+    def __init__(self, reports: list[dict]):
+        self.reports = reports
+
+    def collect(self, s_logits, t_logits, rows) -> tuple[list[Tensor], list[Tensor]]:
+        return copy_probs(s_logits, t_logits, [self.reports[r] for r in rows])
+
+    def reduce(self, collected: list[tuple[list[Tensor], list[Tensor]]]) -> dict[str, float]:
+        p = [x for part_p, _ in collected for x in part_p]
+        q = [x for _, part_q in collected for x in part_q]
+        return exit_mass_metrics(p, q)
+
+
 def teacher_inputs(policy, problems, prompt: str, group_size: int, reps: list[dict]):
     """The teacher's privileged prompts (`prompt` with each problem's reference solution; one
     per rollout row, as `policy` encodes them) and the per-minibatch exit-mass metric."""
     t_ids, t_mask = policy.encode_prompts([teacher_prompt(p, prompt) for p in problems])
-    exit_metrics = lambda st, te, rows: copy_exit_mass(st, te, [reps[r] for r in rows])  # noqa: E731
     g = group_size
-    return t_ids.repeat_interleave(g, 0), t_mask.repeat_interleave(g, 0), exit_metrics
+    return t_ids.repeat_interleave(g, 0), t_mask.repeat_interleave(g, 0), CopyExitMass(reps)
