@@ -55,6 +55,14 @@ class EngineCfg:
     # straight-through gradient into the high-precision weights; calibrated clipping's shadow
     # pass and evaluation stay high precision (harness.noise.Fp8Trainer)
     trainer_fp8: bool = False
+    # the trainer's passes (π_θ with grad, the π_old recompute, the OPSD teacher) in micro-batches
+    # of at most this many tokens: prompt + response tokens of whole sequences, padding not
+    # counted; a longer sequence is a micro-batch alone. Gradients accumulate to the one-shot
+    # step's (harness.step). null: each minibatch in one pass
+    micro_batch_tokens: int | None = None
+    # the trainer's gradient pass keeps only each decoder layer's input and recomputes the layer
+    # in backward (harness.engines.checkpoint_layers)
+    activation_checkpointing: bool = False
 
 
 @dataclass

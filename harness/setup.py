@@ -138,6 +138,9 @@ def validate(cfg: DictConfig) -> None:
          "in [0 (never), steps]"),
         ("mechanism_batches", cfg.mechanism_batches, cfg.mechanism_batches >= 0,
          ">= 0 (0: no mechanism check)"),
+        ("engine.micro_batch_tokens", cfg.engine.micro_batch_tokens,
+         cfg.engine.micro_batch_tokens is None or cfg.engine.micro_batch_tokens >= 1,
+         ">= 1 (prompt + response tokens per micro-batch), or null (each minibatch in one pass)"),
     ]  # fmt: skip
     for key, value, ok, valid in checks:
         if not ok:
@@ -215,7 +218,10 @@ def build_policy(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
     if cfg.engine.trainer_fp8:
         name, kw = split_node(cfg.noise)
         noise.append(Fp8Trainer(build_noise(name, **kw)))
-    return Engine(model, tok, noise=noise)
+    return Engine(
+        model, tok, noise=noise, micro_batch_tokens=cfg.engine.micro_batch_tokens,
+        activation_checkpointing=cfg.engine.activation_checkpointing,
+    )  # fmt: skip
 
 
 def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine, Any, Any, Any]:
