@@ -139,8 +139,8 @@ def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
     path = run_dir / "config.yaml"
     if not path.exists() or not checkpoints(run_dir):
         return {}
-    old = flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
-    new = flatten(OmegaConf.to_container(cfg, resolve=True))
+    old = effective(flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=True)))
+    new = effective(flatten(OmegaConf.to_container(cfg, resolve=True)))
     changed = {
         k: [old.get(k), new.get(k)]
         for k in sorted(set(old) | set(new))
@@ -154,6 +154,30 @@ def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
             "run (recorded in meta.json), or use a new out= directory."
         )
     return changed
+
+
+def effective(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened config with what it leaves to defaults spelled out: the schema's defaults
+    (harness.config: a field added after a run started is the value that run used) and, for the
+    swept-axis nodes, their builders' keyword defaults (a group file that stops restating a
+    default changes nothing). Only defaults that are plain values are filled in."""
+    import inspect
+
+    from harness.config import schema
+    from harness.noise import NOISE
+    from harness.objectives import OBJECTIVES
+    from harness.tasks import TASKS
+
+    out = {**flatten(OmegaConf.to_container(schema(), resolve=False)), **flat}
+    for node, registry in (("noise", NOISE), ("objective", OBJECTIVES), ("task", TASKS)):
+        builder = registry.get(flat.get(f"{node}.name"))
+        if builder is None:
+            continue
+        for k, p in inspect.signature(builder).parameters.items():
+            plain = p.default is None or isinstance(p.default, (bool, int, float, str))
+            if p.default is not inspect.Parameter.empty and plain:
+                out.setdefault(f"{node}.{k}", p.default)
+    return {k: v for k, v in out.items() if not (isinstance(v, str) and "${" in v)}
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:

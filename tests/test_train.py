@@ -514,6 +514,23 @@ def test_rerun_with_a_different_config_fails_before_compute_and_lists_the_keys(t
     train.run(_cfg(tmp_path, "steps=3", "optim.lr=1e-3"))  # steps may change: extend the run
 
 
+def test_a_run_written_before_a_new_default_resumes_under_it(tmp_path):
+    """A run folder whose config.yaml predates a schema field (written without it) or restated a
+    builder default the group file no longer holds resumes strictly: missing keys read as the
+    defaults the run used. A real change in such a key is still refused."""
+    import yaml
+
+    train.run(_cfg(tmp_path, "noise=logit", "steps=2"))
+    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del cfg["engine"]["tf32"]  # a field the schema gained later (default false)
+    cfg["noise"]["nu"] = None  # the group file used to restate the builder default
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    train.run(_cfg(tmp_path, "noise=logit", "steps=3"))
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"noise.nu: None -> 3.0"):
+        train.run(_cfg(tmp_path, "noise=logit", "++noise.nu=3.0", "steps=4"))
+
+
 def test_resume_override_applies_the_new_learning_rate_and_records_it(tmp_path):
     train.run(_cfg(tmp_path, "steps=2", "optim.lr=1e-3", "checkpoint_every=1"))
     train.run(_cfg(tmp_path, "steps=3", "optim.lr=1e-4", "checkpoint_every=1", "resume=override"))
