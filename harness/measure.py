@@ -181,6 +181,9 @@ def validate(cfg: DictConfig) -> None:
     ]:
         if value not in valid:
             raise ValueError(f"{key}={value!r}; valid: {', '.join(map(repr, valid))}")
+    mb = eng.micro_batch_tokens
+    if mb is not None and mb < 1:
+        raise ValueError(f"engine.micro_batch_tokens={mb!r}; valid: >= 1, or null (one pass)")
     for key in ("upcycle", "warmstart"):  # harness.train's task models only
         if cfg.model[key]:
             raise ValueError(f"model.{key}={cfg.model[key]!r}; valid for harness.measure: unset")

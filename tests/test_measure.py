@@ -244,6 +244,7 @@ def test_measure_refuses_to_overwrite_committed_results(tmp_path):
         ("engine.sampler_attention=flash", "engine.sampler_attention"),
         ("engine.logp_old_source=sampler", "engine.logp_old_source"),
         ("alpha.mode=random", "alpha.mode"),
+        ("engine.micro_batch_tokens=0", "engine.micro_batch_tokens"),
     ],
 )
 def test_device_and_dtype_errors_come_before_any_model_is_loaded(tmp_path, monkeypatch, override,
