@@ -192,8 +192,8 @@ def test_rollout_rewards_match_rows_to_their_prompts_and_drop_masked_text():
     do not count. Expected rewards by hand: [1, 0, 1, 0]."""
     import torch
 
-    from harness.rollout import Rollout
     from harness.models import char_tokenizer
+    from harness.rollout import Rollout
 
     tok, t = char_tokenizer(), task("arithmetic")
     p0, p1 = t.sample(2, "train", seed=0)
