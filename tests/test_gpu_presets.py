@@ -1,10 +1,10 @@
 """The GPU presets (`experiments/experiment/gpu/`, `experiments/measure/gpu/`): composition
 only, on the CPU, no model loaded. Each composes over its sweep grid, asks for a real model in
 bf16 on CUDA with a JSONL task whose path the user supplies, keeps its CPU preset's name
-(results/gpu/<name>/, so analysis/ labels the arms as for the CPU runs) and pre-registration shape, passes the harness's
-no-model start-up checks with engine.device=cpu (the presets say cuda: a CPU machine would fail
-there, which is the point of cuda), and composes with the Slurm GPU launcher
-(hydra/launcher=slurm_gpu) and the one-GPU local sweep."""
+(results/gpu/<name>/, so analysis/ labels the arms as for the CPU runs) and pre-registration
+shape, passes the harness's no-model start-up checks with engine.device=cpu (the presets say
+cuda: a CPU machine would fail there, which is the point of cuda), and composes with the Slurm
+GPU launcher (hydra/launcher=slurm_gpu) and the one-GPU local sweep."""
 
 from __future__ import annotations
 
