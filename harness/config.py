@@ -195,11 +195,16 @@ OPEN_NODES = (
 )  # fmt: skip
 
 
-def schema() -> DictConfig:
-    node = OmegaConf.structured(TrainConfig)
-    for key in OPEN_NODES:
+def open_schema(cls: type, open_nodes: tuple[str, ...]) -> DictConfig:
+    """A structured config of `cls` whose `open_nodes` take keys the dataclass does not list."""
+    node = OmegaConf.structured(cls)
+    for key in open_nodes:
         OmegaConf.set_struct(OmegaConf.select(node, key), False)
     return node
+
+
+def schema() -> DictConfig:
+    return open_schema(TrainConfig, OPEN_NODES)
 
 
 ConfigStore.instance().store(name="train_schema", node=schema())

@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from harness.alpha import minibatch_schedule, perturb_weights_
 from harness.batch import TokenBatch, log_rho
-from harness.config import EngineCfg, ModelCfg
+from harness.config import EngineCfg, ModelCfg, open_schema
 from harness.diagnostics import CONF_EDGES, bin_index, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_json_atomic, write_text_atomic
@@ -153,10 +153,7 @@ DEFAULT_NOISE = {"name": "fp8", "granularity": "block", "activations": True}
 
 
 def schema() -> DictConfig:
-    node = OmegaConf.structured(MeasureConfig)
-    for key in OPEN_NODES:
-        OmegaConf.set_struct(OmegaConf.select(node, key), False)
-    return node
+    return open_schema(MeasureConfig, OPEN_NODES)
 
 
 ConfigStore.instance().store(name="measure_schema", node=schema())
