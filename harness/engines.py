@@ -501,17 +501,17 @@ class Engine:
             vocab = self.model.config.vocab_size
             keep = replay_mask(support, tokens[:, n_prompt:], vocab).view(B * T, vocab)
         hash_BxT = prefix_hash(tokens, attention_mask)[:, n_prompt - 1 : -1]
-        # the chunks' contexts carry hashes only; this one gives them positions (by hash)
-        with forward_context(hash_BxT, pos_BxS=position_ids(attention_mask)[:, n_prompt - 1 : -1]):
-            stats = chunked_stats(
-                h.reshape(B * T, H),
-                self.model.get_output_embeddings(),
-                targets,
-                temperature,
-                keep,
-                self.chunk,
-                hash_N=hash_BxT.reshape(-1),
-            )
+        pos_BxT = position_ids(attention_mask)[:, n_prompt - 1 : -1]
+        stats = chunked_stats(
+            h.reshape(B * T, H),
+            self.model.get_output_embeddings(),
+            targets,
+            temperature,
+            keep,
+            self.chunk,
+            hash_N=hash_BxT.reshape(-1),
+            pos_N=pos_BxT.reshape(-1),
+        )
         return {k: v.view(B, T) for k, v in stats.items()}
 
     def logp(

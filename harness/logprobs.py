@@ -174,10 +174,12 @@ def chunked_stats(
     keep: Tensor | None = None,
     chunk: int = DEFAULT_CHUNK,
     hash_N: Tensor | None = None,
+    pos_N: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per position: logp of the target, p_t, entropy and Σ_j p_j² of the (processed) next-token
     law. Calls the `lm_head` module per chunk so that hooks on it (logit noise) fire, inside a
-    determinism context built from the positions' prefix hashes `hash_N` when given."""
+    determinism context built from the positions' prefix hashes `hash_N` (and their positions
+    `pos_N`, for position-dependent noise) when given."""
     n = hidden.shape[0]
     out = {
         k: torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -187,7 +189,8 @@ def chunked_stats(
         if hash_N is None:
             z = lm_head(hidden[s : s + chunk])
         else:
-            with forward_context(hash_N[s : s + chunk][None]):
+            pos = None if pos_N is None else pos_N[s : s + chunk][None]
+            with forward_context(hash_N[s : s + chunk][None], pos_BxS=pos):
                 z = lm_head(hidden[s : s + chunk][None])[0]
         z = z.float() / temperature
         if keep is not None:

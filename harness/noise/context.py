@@ -9,10 +9,9 @@ deterministic too (but a plain KV decode step then hashes only its own new token
 
 Positions. A context may also carry each token's position (`pos_BxS`, as `position_ids`: the
 number of real tokens before it, left pads counting none), for noise whose size depends on where
-in the sequence a token is. `positions(S)` returns them for the current forward: from the context
-itself, else by prefix hash from an enclosing context that has them (the engine's scoring wraps
-its chunked lm_head calls in one), else an error. The fallback hook fills them from the call's
-`position_ids`, else its `attention_mask`, else the cache length (as the model itself does).
+in the sequence a token is. `positions(S)` returns them for the current forward, else an error.
+The fallback hook fills them from the call's `position_ids`, else its `attention_mask`, else the
+cache length (as the model itself does).
 
 Random numbers are counter-based: splitmix64 (Steele et al., OOPSLA 2014) in wrapping int64 torch
 ops, then Box–Muller; one 64-bit word gives two normals. No generator state, fully vectorised.
@@ -23,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -116,8 +115,6 @@ class ForwardContext:
     hash_BxS: Tensor  # prefix hash per position of this forward's input
     batch_key: int | None = None  # optional batch-composition key for the `batch` noise
     pos_BxS: Tensor | None = None  # optional position per token (`position_ids`)
-    # (sorted hashes, their positions): the lookup `positions` builds once per context
-    _by_hash: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False)
 
 
 _STACK: list[ForwardContext] = []
@@ -152,42 +149,17 @@ def forward_context(
 
 
 def positions(S: int, what: str) -> Tensor:
-    """Positions [B, S] of the last S tokens of the current forward (`logits_to_keep`): the
-    context's own, else looked up by prefix hash in the nearest enclosing context that has them."""
+    """Positions [B, S] of the last S tokens of the current forward (`logits_to_keep`)."""
     ctx = current()
     if ctx is None:
         raise RuntimeError(f"{what}: no forward context; wrap the call in forward_context")
     if ctx.pos_BxS is None:
-        outer = next((c for c in reversed(_STACK[:-1]) if c.pos_BxS is not None), None)
-        if outer is None:
-            raise RuntimeError(
-                f"{what}: the forward context carries no positions; pass "
-                "forward_context(hashes, pos_BxS=position_ids(attention_mask)), or call the model "
-                "with input_ids (and attention_mask or position_ids) so the fallback derives them"
-            )
-        return _lookup_positions(outer, ctx.hash_BxS[:, ctx.hash_BxS.shape[1] - S :], what)
-    return ctx.pos_BxS[:, ctx.pos_BxS.shape[1] - S :]
-
-
-def _lookup_positions(outer: ForwardContext, hash_BxS: Tensor, what: str) -> Tensor:
-    """The positions `outer` gives these prefix hashes. A hash names a prefix and a prefix its
-    number of real tokens, so one hash has one position (a pad repeats its predecessor's hash and
-    position); two positions for one hash, or a hash `outer` does not hold, is an error."""
-    if outer._by_hash is None:
-        h, order = outer.hash_BxS.reshape(-1).sort()
-        p = outer.pos_BxS.reshape(-1)[order]
-        if bool(((h[1:] == h[:-1]) & (p[1:] != p[:-1])).any()):
-            raise RuntimeError(f"{what}: one prefix hash at two positions in the outer context")
-        outer._by_hash = (h, p)
-    h, p = outer._by_hash
-    q = hash_BxS.reshape(-1)
-    i = torch.searchsorted(h, q).clamp_max(h.numel() - 1)
-    if not torch.equal(h[i], q):
         raise RuntimeError(
-            f"{what}: {int((h[i] != q).sum())} token(s) of this forward are not in the enclosing "
-            "context that carries positions; give this forward_context its own pos_BxS"
+            f"{what}: the forward context carries no positions; pass "
+            "forward_context(hashes, pos_BxS=position_ids(attention_mask)), or call the model "
+            "with input_ids (and attention_mask or position_ids) so the fallback derives them"
         )
-    return p[i].view(hash_BxS.shape)
+    return ctx.pos_BxS[:, ctx.pos_BxS.shape[1] - S :]
 
 
 def call_positions(ids: Tensor, kwargs: dict) -> Tensor:
