@@ -173,14 +173,14 @@ def _check_node(table: dict[str, Callable], node: Any, what: str) -> None:
 
 
 def check_nodes(cfg: DictConfig) -> None:
-    """Check the swept-axis nodes present in `cfg` (task, noise, sampler_noise, extra_noise,
+    """Check the swept-axis nodes present in `cfg` (task, noise, extra_noise,
     objective, aggregation) against their registries and builders' signatures: unknown names,
     unknown keyword arguments and wrong scalar types raise here, before any model is loaded."""
     if "task" in cfg:
         from harness.tasks import TASKS
 
         _check_node(TASKS, cfg.task, "task")
-    noise = [cfg.get("noise"), *(cfg.get("sampler_noise") or []), *(cfg.get("extra_noise") or [])]
+    noise = [cfg.get("noise"), *(cfg.get("extra_noise") or [])]
     if any(n is not None for n in noise):
         from harness.noise import NOISE
 

@@ -32,8 +32,8 @@ def check_sampler(name: str, compute_type: str, noise: list[str], sampler_dtype:
     if noise:
         raise ValueError(
             f"engine.sampler=ct2 with injected noise {noise}: CTranslate2's β is its own (its "
-            "kernels, engine.ct2.compute_type); inject none (train: noise=none; measure: "
-            "sampler_noise=[]), or use engine.sampler=hf with the noise"
+            "kernels, engine.ct2.compute_type); inject none (noise=none, extra_noise=[]), or "
+            "use engine.sampler=hf with the noise"
         )
     if sampler_dtype != "fp32":
         raise ValueError(
