@@ -21,6 +21,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from harness.checkpoint import effective, flatten
+
 # metrics.jsonl keys kept in summary.csv ('/' → '_')
 METRICS = [
     "reward/mean", "eval/acc", "entropy/mean", "response/len", "clip/frac_low", "clip/frac_high",
@@ -122,11 +124,19 @@ def arm_label(exp: str, cfg: dict) -> str:
     return labels[0] if labels else cfg["objective"]["name"]
 
 
+def noise_node(cfg: dict) -> dict:
+    """A run's noise node with the builder's defaults filled in (group files state only what
+    differs from harness.noise's signatures, so σ may be absent from config.yaml)."""
+    eff = effective(flatten(cfg))
+    return {k[len("noise.") :]: v for k, v in eff.items() if k.startswith("noise.")}
+
+
 def load_raw(root: Path, exp: str) -> pd.DataFrame:
     """One row per (run, step) over the raw run folders of `exp`, with config columns."""
     frames = []
     for run in sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl")):
         cfg = yaml.safe_load((run / "config.yaml").read_text())
+        noise = noise_node(cfg)
         meta_path = run / "meta.json"
         model = json.loads(meta_path.read_text()).get("model", {}) if meta_path.exists() else {}
         m = pd.DataFrame(
@@ -138,7 +148,7 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
         frames.append(m.assign(
             run=run.name, arm=arm_label(exp, cfg), seed=cfg["seed"],
             objective=cfg["objective"]["name"],
-            noise=cfg["noise"]["name"], sigma=cfg["noise"].get("sigma"),
+            noise=noise["name"], sigma=noise.get("sigma"),
             staleness=cfg["alpha"]["staleness"], minibatches=cfg["alpha"].get("minibatches"),
             lr=cfg.get("optim", {}).get("lr"), logp_old_source=cfg["engine"]["logp_old_source"],
             steps=cfg["steps"], weights_sha=model.get("weights_sha"),
@@ -160,7 +170,7 @@ def load_mechanism(root: Path, exp: str) -> pd.DataFrame:
     for path in sorted((root / exp).glob("*/mechanism.json")):
         cfg = yaml.safe_load((path.parent / "config.yaml").read_text())
         m = json.loads(path.read_text())
-        noise = cfg["noise"]
+        noise = noise_node(cfg)
         rows.append({
             "run": path.parent.name, "arm": arm_label(exp, cfg), "seed": cfg["seed"],
             "noise": noise["name"], "sigma": noise.get("sigma"), "nu": noise.get("nu"),

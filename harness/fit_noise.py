@@ -68,9 +68,7 @@ def write_config(name: str, sigma: float, run: Path, table: pd.DataFrame) -> Pat
         "# The fit is for that model: another model's gate differs. Scale it as noise.sigma=...\n"
         "name: logit\n"
         f"sigma: {sigma:.6g}\n"
-        "nu: null\n"
         "seed: ${seed}\n"
-        "deterministic: true\n"
     )
     return write_text_atomic(NOISE_DIR / f"{name}.yaml", text)
 

@@ -140,6 +140,29 @@ def test_group_files_do_not_restate_python_defaults(group):
         assert OmegaConf.to_container(OmegaConf.load(path)) == {"name": path.stem}, path
 
 
+def test_noise_files_state_only_what_differs_from_the_builder():
+    """A noise file names its builder, links the noise seed to the run seed (so arms paired by
+    seed share one noise field) and states only values that differ from the builder's
+    signature: a fitted σ (harness.fit_noise) is a value, a restated default is a second source
+    of truth."""
+    import inspect
+
+    from harness.noise import NOISE
+
+    for path in sorted((EXP / "noise").glob("*.yaml")):
+        node = OmegaConf.to_container(OmegaConf.load(path))  # unresolved: ${seed} stays a string
+        name = node.pop("name")
+        if name == "none":
+            assert node == {}, path
+            continue
+        params = inspect.signature(NOISE[name]).parameters
+        if "seed" in params:
+            assert node.pop("seed") == "${seed}", path
+        for key, value in node.items():
+            assert key in params, (path, key)
+            assert value != params[key].default, f"{path}: {key}={value!r} restates the default"
+
+
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_objective_name_and_objective_group_are_the_same(name, tmp_path):
     """`objective.name=X` (the default group's file has no kwargs to leak) == `objective=X`."""

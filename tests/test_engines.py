@@ -468,15 +468,18 @@ def test_pruned_decode_on_the_task_model_and_which_noise_may_prune(threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemm_rows_do_not_depend_on_the_batch_size_above_the_prune_floor(threads):
-    """The premise of `prune_floor`: a row of F.linear(x, W) has the same bits
-    in a batch of any M ≥ the floor (SmolLM2's and the task models' K, N). Below the floor MKL
-    switches kernels; if this fails on another CPU, raise the floor there."""
+    """The premise of `prune_floor` wherever it turns pruning on: a row of F.linear(x, W) has
+    the same bits in a batch of any M ≥ the floor (SmolLM2's and the task models' K, N). Below
+    the floor MKL switches kernels. Where the start-up check fails (floor 0) pruning is off and
+    there is no premise to check; the next test covers that branch."""
     from torch.nn import functional as F
 
     from harness.engines import prune_floor
 
     with _threads(threads):
         floor, g = prune_floor(), torch.Generator().manual_seed(0)
+        if floor == 0:
+            pytest.skip(f"GEMM rows move with the batch size at {threads} thread(s): no pruning")
         for K, N in [(192, 99), (192, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]:
             M = 2 * floor + 8
             x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
