@@ -40,10 +40,11 @@ test-recipe: $(STAMP)  ## rebuild the default task model from its recipe and che
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~90 min on 2 cores)
+bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~105 min on 2 cores)
 	$(PY) -m pip install -q -e '.[dev,ct2,bench]'
 	mkdir -p results/bench
 	$(PY) benchmarks/bench_score.py --rounds 3
+	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_noise.py
 	$(PY) benchmarks/bench_objectives.py
 	$(PY) benchmarks/bench_measure.py | tee results/bench/measure.txt

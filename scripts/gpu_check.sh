@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The device check: one command on a GPU machine, <= 6 minutes, everything it finds
 # in $OUT (default ./gpu_check_out): summary.json (also printed), log.txt (every stage's output),
-# gpu_tests.xml, device_tests.xml (junit), bench_gpu.json, fp8_fidelity/. See scripts/gpu/README.md.
+# gpu_tests.xml, device_tests.xml (junit), bench_gpu.json, fp8_fidelity/, bench_memory_cuda.json.
+# See scripts/gpu/README.md.
 #
 #   bash scripts/gpu_check.sh                      # on the device (the repo root; carry .whl)
 #   GPU_CHECK_DEVICES=cpu bash scripts/gpu_check.sh  # plumbing dry run on a CPU machine
 #
 # Stages: install the .whl/ wheels into /tmp/site; environment (nvidia-smi, torch, CUDA); the
 # gpu-marked tests (tests/test_gpu.py); the device-parametrised tests' cuda ids; the CPU vs CUDA
-# step benchmark; the real-vs-emulated FP8 fidelity; the summary. Every stage runs under its own
+# step benchmark; the real-vs-emulated FP8 fidelity; the peak memory of one update (bench_memory);
+# the summary. Every stage runs under its own
 # timeout inside one overall budget; a failing stage is recorded (rc, seconds) and the next runs.
 # Exit status: 0 when every stage passed and no test failed, else 1.
 set -uo pipefail
@@ -23,11 +25,16 @@ BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---steps 3 --warmup 1 --prompts 8 --group 4 --
 FP8_ARGS=${GPU_CHECK_FP8_ARGS:-}
 FP8_DEVICE=cuda
 [[ ",$DEVICES," == *",cuda,"* ]] || FP8_DEVICE=cpu
+# bench_memory's grid: 4 and 64 rows (its growth target) of 16 + 128 and 16 + 512 tokens in
+# 384-token micro-batches (2 rows or 1: alike at 4 and 64 rows), every mode, bf16 as the presets
+MEM_ARGS=${GPU_CHECK_MEMORY_ARGS:---rows 4,64 --tokens 128,512 --micro-batch-tokens 384 --dtype bf16}
+MEM_DEVICE=$FP8_DEVICE
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 STAGES=$WORK/stages.tsv
 LOG=$OUT/log.txt
 # this script's own files from an earlier run in the same $OUT
 rm -rf "$OUT"/{summary.json,log.txt,gpu_tests.xml,device_tests.xml,bench_gpu.json} \
+  "$OUT"/bench_memory_{cuda,cpu}.json \
   "$OUT"/fp8_fidelity "$OUT"/fp8_fidelity.tar.gz
 : >"$STAGES"
 : >"$LOG"
@@ -103,19 +110,26 @@ stage device_tests 100 130 "${PYTEST[@]}" -m "gpu and not slurm and not recipe" 
 
 # (d) the CPU vs CUDA step benchmark, then real FP8 vs emulated FP8
 # shellcheck disable=SC2086  # BENCH_ARGS / FP8_ARGS are word lists
-stage bench 150 45 "$PY" benchmarks/bench_gpu.py --devices "$DEVICES" $BENCH_ARGS \
+stage bench 150 75 "$PY" benchmarks/bench_gpu.py --devices "$DEVICES" $BENCH_ARGS \
   --json "$OUT/bench_gpu.json"
 if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('harness.fp8_fidelity') is None)"
 then
   # shellcheck disable=SC2086
-  stage fp8_fidelity 90 5 "$PY" -m harness.fp8_fidelity --model smollm2-shaped \
+  stage fp8_fidelity 90 35 "$PY" -m harness.fp8_fidelity --model smollm2-shaped \
     --n-layers 4 --sharpen 10 --device "$FP8_DEVICE" --dtype bf16 \
     --out "$OUT/fp8_fidelity" $FP8_ARGS  # 4 layers, logits ×10: tokens in every confidence bin
 else
   record fp8_fidelity missing 0 "harness/fp8_fidelity.py is not in this tree"
 fi
 
-# (e) the summary (standard library only), printed; at most 8 files under $OUT
+# (e) the peak memory of one policy update (benchmarks/bench_memory.py; SmolLM2-shaped: no GGUF
+# on the device): rows x tokens with and without micro-batching and activation checkpointing,
+# torch.cuda.max_memory_allocated; its table, growth verdicts and bytes per token go to the log
+# shellcheck disable=SC2086  # MEM_ARGS is a word list
+stage bench_memory 60 5 "$PY" benchmarks/bench_memory.py --device "$MEM_DEVICE" \
+  --model smollm2-shaped $MEM_ARGS --out "$OUT/bench_memory_$MEM_DEVICE.json"
+
+# (f) the summary (standard library only), printed; at most 8 files under $OUT
 "$PY" scripts/gpu/summarize.py summary --out "$OUT" --stages "$STAGES" --env "$WORK/env.json" \
   --tests gpu_tests,device_tests --logs "$WORK" >"$WORK/summary.out" 2>&1
 src=$?
