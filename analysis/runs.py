@@ -30,6 +30,10 @@ METRICS = [
     "is/ess", "dial/kl_k3", "repetition/terminal_loop_rate", "repetition/rate",
     "repetition/exit_mass_ratio", "collapse/events", "calib/low", "calib/high",
     "time/step_s",
+    # OPSD: R and the student's entropy at copy positions (continuing a repeated segment) and at
+    # the other response positions; the copy positions' share of the response tokens
+    "repetition/copy_exit_mass_ratio", "repetition/noncopy_exit_mass_ratio",
+    "repetition/copy_entropy", "repetition/noncopy_entropy", "repetition/copy_frac",
 ]  # fmt: skip
 
 

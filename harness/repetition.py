@@ -5,6 +5,10 @@ Definitions, for a response x_0..x_{n-1} and a period 2 ≤ ℓ ≤ 50:
 - repetition: ⌊L/ℓ⌋ ≥ 2;  mature: ⌊L/ℓ⌋ ≥ 3 and L ≥ 30;
 - terminal loop: a mature repetition that reaches the last token (e = n−1);
 - copy token c_t = x_{t−ℓ}; first copy: positions s+ℓ..s+2ℓ−1; exit mass 1 − p_{t,copy}.
+- copy positions (all of them): s+ℓ..e, the tokens that continue a repeated segment; every other
+  response position is a non-copy position (DERIVED: the split of R into these two sets is this
+  project's, to tell a student that is sharper than its teacher everywhere from one that is
+  sharper inside loops).
 
 Detector (DERIVED: the paper defines the segments, not how to find them): for each ℓ, a maximal
 run [a, b] of x_t = x_{t−ℓ} gives s = a−ℓ, e = b. Overlaps are resolved toward the smallest
@@ -91,19 +95,31 @@ def copy_positions(segment: dict, tokens: Sequence[int], which: str = "first") -
     return list(range(s + ell, min(stop, e) + 1))
 
 
+def copy_mask(segments: Sequence[dict], n_tokens: int) -> list[bool]:
+    """Per position of a response of `n_tokens` tokens: whether it continues a repeated segment
+    (s+ℓ ≤ t ≤ e for some repetition in `segments`, where x_t = x_{t−ℓ} is the copy token)."""
+    mask = np.zeros(n_tokens, dtype=bool)
+    for seg in segments:
+        mask[seg["start"] + seg["period"] : seg["end"] + 1] = True
+    return mask.tolist()
+
+
 def repetition_report(tokens: Sequence[int] | Tensor) -> dict:
-    """Table 2 report of one response: its repetitions and the copy positions/tokens for the
-    exit-mass metrics (positions index `tokens`; copy token = tokens[t − ℓ])."""
+    """Table 2 report of one response: its tokens, its repetitions, the copy positions/tokens for
+    the exit-mass metrics (positions index `tokens`; copy token = tokens[t − ℓ]) and the copy
+    mask of every position (`copy_mask`)."""
     if isinstance(tokens, Tensor):
         tokens = tokens.tolist()
     tokens = list(tokens)
     reps = repetitions(tokens)
     out = {
         "n_tokens": len(tokens),
+        "tokens": tokens,
         "segments": reps,
         "has_repetition": bool(reps),
         "has_mature": any(r["mature"] for r in reps),
         "terminal_loop": any(r["terminal"] for r in reps),
+        "copy_mask": copy_mask(reps, len(tokens)),
     }
     for which in ("first", "pre_mature"):
         pos = sorted(
@@ -143,6 +159,24 @@ def exit_mass(
         pa = torch.as_tensor(p_active_mass, dtype=torch.float64)
         out["frac_reversed_band"] = ((p < q) & (q < p / pa)).sum().item() / n
     return out
+
+
+def exit_mass_split(
+    p_token: Tensor | Sequence[float],
+    q_token: Tensor | Sequence[float],
+    copy: Tensor | Sequence[bool],
+) -> dict[str, dict[str, float]]:
+    """`exit_mass` at copy and at non-copy positions: p_token, q_token are the teacher's and the
+    student's probability of the response's own token at each position (at a copy position that
+    token is the copy token x_{t−ℓ}, so the copy half is Table 2's exit mass over every
+    continuing position, not only the first copy), `copy` the positions' `copy_mask`. Returns
+    {"copy": ..., "noncopy": ...}; each ratio R = Σ(1−q)/Σ(1−p) over its positions (nan when
+    they hold no teacher exit mass, e.g. none). R_copy < R_noncopy: relative to its teacher, the
+    student leaves a repetition less readily than it leaves its other sampled tokens."""
+    p = torch.as_tensor(p_token, dtype=torch.float64)
+    q = torch.as_tensor(q_token, dtype=torch.float64)
+    c = torch.as_tensor(copy, dtype=torch.bool)
+    return {"copy": exit_mass(p[c], q[c]), "noncopy": exit_mass(p[~c], q[~c])}
 
 
 def repetition_reports(response_ids: Tensor, response_mask: Tensor) -> list[dict]:

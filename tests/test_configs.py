@@ -82,6 +82,7 @@ def test_every_preset_exists():
         "collapse_drivers",
         "fp8_full_pipeline",
         "surge_pilot",
+        "opsd_long_pilot",
         "nsr_dose",
         "cis_dose",
     }

@@ -1,14 +1,19 @@
 """Repetition detector (OPSD Table 2): hand-built sequences, expected reports worked out by hand."""
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
 from harness.repetition import (
     MAX_PERIOD,
     MIN_PERIOD,
+    copy_mask,
     copy_positions,
     copy_token_probs,
     exit_mass,
+    exit_mass_split,
     periodic_segments,
     repetition_report,
     repetitions,
@@ -157,3 +162,82 @@ def test_random_responses_match_a_naive_all_periods_scan():
                 x[t] = x[t - ell]
         got = [(r["period"], r["start"], r["end"]) for r in repetitions(x)]
         assert got == naive(x), x
+
+
+# 5 | 1 2 3 1 2 3 1 2 | 9: period 3, x_t = x_{t-3} for t = 4..8 -> s = 1, e = 8 (L = 8, 2
+# copies): copy positions 4..8, non-copy 0..3 and 9. Probability of each position's own token:
+SPLIT_TOKENS = [5, 1, 2, 3, 1, 2, 3, 1, 2, 9]
+SPLIT_P = [0.5, 0.8, 0.8, 0.8, 0.6, 0.6, 0.6, 0.6, 0.6, 0.5]  # teacher
+SPLIT_Q = [0.5, 0.8, 0.8, 0.8, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]  # student
+
+
+def test_copy_mask_and_exit_mass_split_by_hand():
+    """Copy: teacher exit 5 × 0.4 = 2.0, student 5 × 0.1 = 0.5, R = 0.25. Non-copy: teacher
+    0.5 + 3 × 0.2 + 0.5 = 1.6, student 0.5 + 3 × 0.2 + 0.1 = 1.2, R = 0.75."""
+    r = repetition_report(SPLIT_TOKENS)
+    assert spans(r) == [(3, 1, 8)] and r["tokens"] == SPLIT_TOKENS
+    assert r["copy_mask"] == [False] * 4 + [True] * 5 + [False]
+    out = exit_mass_split(SPLIT_P, SPLIT_Q, r["copy_mask"])
+    assert out["copy"]["n"] == 5 and out["noncopy"]["n"] == 5
+    assert out["copy"]["teacher"] == pytest.approx(2.0)
+    assert out["copy"]["student"] == pytest.approx(0.5)
+    assert out["copy"]["ratio"] == pytest.approx(0.25)
+    assert out["noncopy"]["teacher"] == pytest.approx(1.6)
+    assert out["noncopy"]["student"] == pytest.approx(1.2)
+    assert out["noncopy"]["ratio"] == pytest.approx(0.75)
+    assert repetition_report([1, 2, 3])["copy_mask"] == [False] * 3
+    # overlapping segments (s, e, ℓ) = (0, 5, 2) and (4, 9, 2): positions 2..9, each once
+    assert copy_mask([{"start": 0, "end": 5, "period": 2}, {"start": 4, "end": 9, "period": 2}],
+                     10) == [False, False] + [True] * 8  # fmt: skip
+    assert np.isnan(exit_mass_split([0.5], [0.5], [False])["copy"]["ratio"])  # no copy position
+
+
+def _own_token_logits(tokens, probs, V):
+    """Logits [T, V] giving each position's own token probability `probs[t]`, the other V − 1
+    tokens an equal share of the rest."""
+    z = torch.empty(len(tokens), V)
+    for t, (x, a) in enumerate(zip(tokens, probs)):
+        z[t] = math.log((1 - a) / (V - 1))
+        z[t, x] = math.log(a)
+    return z
+
+
+def test_copy_split_metrics_through_micro_batches():
+    """The OPSD step's metric (harness.objectives.opsd.CopyExitMass) on two rows: the example
+    above and a 3-token response without repetition (p = q = 0.5 on each token, padded to 10).
+    Copy R = 0.25; non-copy R = (1.2 + 1.5) / (1.6 + 1.5); first-copy R (positions 4..6) =
+    0.3 / 1.2; the student's entropy at T = 1 with own-token probability a is
+    H(a) = −a ln a − (1 − a) ln((1 − a)/(V − 1)). One micro-batch or two: the same numbers."""
+    from harness.objectives.opsd import CopyExitMass
+
+    V = 10
+    short = [7, 8, 9]
+    reports = [repetition_report(SPLIT_TOKENS), repetition_report(short)]
+    pad = [0] * 7
+
+    def logits(probs_long):  # the short row: 0.5 on each own token (and on the padding's)
+        rows = [(SPLIT_TOKENS, probs_long), (short + pad, [0.5] * 10)]
+        return torch.stack([_own_token_logits(x, a, V) for x, a in rows])
+
+    s, t = logits(SPLIT_Q), logits(SPLIT_P)
+
+    def H(a):
+        return -a * math.log(a) - (1 - a) * math.log((1 - a) / (V - 1))
+
+    metric = CopyExitMass(reports)
+    whole = metric.reduce([metric.collect(s, t, [0, 1])])
+    parts = metric.reduce([metric.collect(s[:1], t[:1], [0]), metric.collect(s[1:], t[1:], [1])])
+    for m in (whole, parts):
+        assert m["repetition/copy_exit_mass_ratio"] == pytest.approx(0.25)
+        assert m["repetition/noncopy_exit_mass_ratio"] == pytest.approx(2.7 / 3.1)
+        assert m["repetition/exit_mass_ratio"] == pytest.approx(0.3 / 1.2)
+        assert m["repetition/copy_frac"] == pytest.approx(5 / 13)
+        assert m["repetition/copy_entropy"] == pytest.approx(H(0.9), rel=1e-5)
+        noncopy = [H(0.5), H(0.8), H(0.8), H(0.8), H(0.9)] + [H(0.5)] * 3
+        assert m["repetition/noncopy_entropy"] == pytest.approx(np.mean(noncopy), rel=1e-5)
+    # no repetition anywhere: no copy ratio (not a 0/0), the non-copy half still reported
+    none = CopyExitMass([reports[1]])
+    m = none.reduce([none.collect(s[1:], t[1:], [0])])
+    assert "repetition/copy_exit_mass_ratio" not in m and "repetition/exit_mass_ratio" not in m
+    assert m["repetition/noncopy_exit_mass_ratio"] == pytest.approx(1.0)
+    assert m["repetition/copy_frac"] == 0

@@ -23,7 +23,7 @@ from torch import Tensor
 from harness.batch import masked_mean
 from harness.objectives.core import OBJECTIVES, Objective, ObjectiveOutput
 from harness.registry import register
-from harness.repetition import copy_token_probs, exit_mass
+from harness.repetition import copy_token_probs, exit_mass, exit_mass_split
 from harness.tasks import teacher_prompt
 
 
@@ -133,6 +133,46 @@ def exit_mass_metrics(p: list[Tensor], q: list[Tensor]) -> dict[str, float]:
     }
 
 
+@torch.no_grad()
+def token_probs(s_logits, t_logits, reports: list[dict]) -> list[tuple[Tensor, ...]]:
+    """Per row, at every response position (T = 1 softmax, as `copy_probs`): the teacher's p and
+    the student's q of the response's own token, the student's entropy, and the copy mask."""
+    rows = []
+    for s, t, rep in zip(s_logits, t_logits, reports):
+        n = rep["n_tokens"]
+        if not n:
+            continue
+        ids = torch.as_tensor(rep["tokens"], device=s.device)[:, None]
+        log_q, log_p = s[:n].float().log_softmax(-1), t[:n].float().log_softmax(-1)
+        entropy = -(log_q.exp() * log_q).sum(-1)
+        copy = torch.as_tensor(rep["copy_mask"], dtype=torch.bool, device=s.device)
+        rows.append(
+            (log_p.gather(1, ids)[:, 0].exp(), log_q.gather(1, ids)[:, 0].exp(), entropy, copy)
+        )
+    return rows
+
+
+def copy_split_metrics(rows: list[tuple[Tensor, ...]]) -> dict[str, float]:
+    """R = Σ(1−q)/Σ(1−p) at copy positions (every token that continues a repeated segment) and
+    at the other response positions, the student's mean entropy at each, and the copy positions'
+    share of the response tokens. A student that is merely sharper than its teacher lowers both
+    ratios; OPSD's loop mechanism (clipping reverses the correction inside repetitions) lowers
+    R at copy positions below R elsewhere."""
+    if not rows:
+        return {}
+    p, q, entropy, copy = (torch.cat(x) for x in zip(*rows))
+    split = exit_mass_split(p, q, copy)
+    out = {
+        "repetition/noncopy_exit_mass_ratio": split["noncopy"]["ratio"],
+        "repetition/noncopy_entropy": float(entropy[~copy].mean()),
+        "repetition/copy_frac": float(copy.double().mean()),
+    }
+    if copy.any():  # no copy position: no ratio, rather than a 0/0
+        out["repetition/copy_exit_mass_ratio"] = split["copy"]["ratio"]
+        out["repetition/copy_entropy"] = float(entropy[copy].mean())
+    return out
+
+
 def copy_exit_mass(s_logits, t_logits, reports: list[dict]) -> dict[str, float]:
     """`exit_mass_metrics` of these rows' logits."""
     return exit_mass_metrics(*copy_probs(s_logits, t_logits, reports))
@@ -141,18 +181,21 @@ def copy_exit_mass(s_logits, t_logits, reports: list[dict]) -> dict[str, float]:
 class CopyExitMass:
     """The exit mass of a minibatch, gathered micro-batch by micro-batch (harness.step's
     `PartMetrics`): `collect` keeps the copy tokens' probabilities of rows `rows` (of the
-    rollout whose repetition `reports` these are), `reduce` is `exit_mass_metrics` of them all."""
+    rollout whose repetition `reports` these are) and every response token's, `reduce` is
+    `exit_mass_metrics` and `copy_split_metrics` of them all."""
 
     def __init__(self, reports: list[dict]):
         self.reports = reports
 
-    def collect(self, s_logits, t_logits, rows) -> tuple[list[Tensor], list[Tensor]]:
-        return copy_probs(s_logits, t_logits, [self.reports[r] for r in rows])
+    def collect(self, s_logits, t_logits, rows):
+        reports = [self.reports[r] for r in rows]
+        return copy_probs(s_logits, t_logits, reports), token_probs(s_logits, t_logits, reports)
 
-    def reduce(self, collected: list[tuple[list[Tensor], list[Tensor]]]) -> dict[str, float]:
-        p = [x for part_p, _ in collected for x in part_p]
-        q = [x for _, part_q in collected for x in part_q]
-        return exit_mass_metrics(p, q)
+    def reduce(self, collected: list) -> dict[str, float]:
+        p = [x for (part_p, _), _ in collected for x in part_p]
+        q = [x for (_, part_q), _ in collected for x in part_q]
+        tokens = [row for _, part in collected for row in part]
+        return exit_mass_metrics(p, q) | copy_split_metrics(tokens)
 
 
 def teacher_inputs(policy, problems, prompt: str, group_size: int, reps: list[dict]):
