@@ -244,14 +244,19 @@ def _tup(v):
 
 
 def noise_label(nodes: list[dict]) -> str:
-    """name(kwargs that differ from the noise model's defaults), joined by +."""
+    """name(σ, then the kwargs that differ from the noise model's defaults), joined by +.
+    σ is always shown (the dose), from the builder's default when the node leaves it out; the
+    seed never is (it picks the noise field, not its shape)."""
     parts = []
     for n in nodes:
         sig = inspect.signature(NOISE[n["name"]]).parameters
+        if "sigma" in sig and "sigma" not in n and sig["sigma"].default is not inspect.Parameter.empty:
+            n = {"name": n["name"], "sigma": sig["sigma"].default, **n}
         kw = [
             f"{k}={v}"
             for k, v in n.items()
-            if k == "sigma" or (k != "name" and (k not in sig or sig[k].default != _tup(v)))
+            if k == "sigma"
+            or (k not in ("name", "seed") and (k not in sig or sig[k].default != _tup(v)))
         ]
         parts.append(f"{n['name']}({', '.join(kw)})")
     return " + ".join(parts) or "none"
