@@ -21,6 +21,10 @@ ARMS = {  # experiment -> arms as (objective, arm label)
     "opsd_repetition": [("opsd_fkl", "clipped FKL (τ = 0.05)"), ("opsd_fkl", "exact FKL")],
     "cis_vs_tis": [("cis", "CIS (λ = 2.3)"), ("tis", "TIS (C = 2)")],
     "collapse_drivers": [("band", "reject (band [0.5, 2])"), ("cispo", "clamp (CISPO [0.5, 2])")],
+    "surge_confirm": [
+        ("ppo_clip", "π_old := μ (std clip)"),
+        ("ppo_clip", "π_old recomputed (std clip)"),
+    ],
     "fp8_full_pipeline": [
         ("calibrated_clip", "calibrated clip (every 5, EMA 0.5)"),
         ("ppo_clip", "std clip"),
