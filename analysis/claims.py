@@ -23,7 +23,7 @@ import pandas as pd
 import yaml
 
 from analysis.events import escalation, run_events
-from analysis.runs import load_summary, mechanism_summary, results_root
+from analysis.runs import load_summary, mechanism_summary, preset_config, results_root
 from analysis.stats import (
     benjamini_hochberg,
     fisher_exact,
@@ -74,6 +74,33 @@ def endpoint_values(df: pd.DataFrame, ep: dict) -> pd.Series:
         return runs.groupby(["arm", "seed"]).apply(lambda g: escalation(g, col)[0])
     last = runs.sort_values("step").groupby(["arm", "seed"]).tail(1)  # final_any
     return (last.set_index(["arm", "seed"])[col] > 0).astype(float)
+
+
+def summary_problems(df: pd.DataFrame, exp: str) -> list[str]:
+    """Why a summary cannot give the registered tests: runs that stopped early, or that were
+    configured shorter than the experiment's preset (a toy sweep's 4 steps of 100)."""
+    last = df.groupby("run").agg(step=("step", "max"), steps=("steps", "first"))
+    out = [f"{exp}: run {r} stopped at step {x.step} of {x.steps}"
+           for r, x in last[last.step < last.steps].iterrows()]  # fmt: skip
+    planned = preset_config(exp).get("steps")
+    if isinstance(planned, int):
+        out += [f"{exp}: run {r} ran {x.steps} steps; the preset registers {planned}"
+                for r, x in last[last.steps < planned].iterrows()]  # fmt: skip
+    return out
+
+
+def endpoint_problems(df: pd.DataFrame, ep: dict) -> list[str]:
+    """Why `df` cannot give endpoint `ep` as registered: its window lies beyond the last step,
+    or its cell holds two runs of one arm and seed (their mean would count the seed twice)."""
+    runs = select_cell(df[df.complete], ep.get("where"))
+    out = []
+    if ep["reduce"] == "window_mean" and (runs.empty or runs.step.max() < ep["window"][1]):
+        last = "no runs" if runs.empty else f"the last step is {runs.step.max()}"
+        out.append(f"{ep['name']}: window {list(ep['window'])} lies beyond the last step ({last})")
+    n = runs.groupby(["arm", "seed"]).run.unique()
+    out += [f"{ep['name']}: arm {arm!r} seed {seed} has {len(r)} runs in this cell ({', '.join(r)})"
+            for (arm, seed), r in n.items() if len(r) > 1]  # fmt: skip
+    return out
 
 
 def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> dict[str, Any]:
@@ -161,8 +188,9 @@ def endpoint_marks(root: Path, exp: str) -> dict[str, str]:
     out = {}
     for ep in prereg["endpoints"]:
         if not ep.get("where"):
+            problems = endpoint_problems(df, ep)
             res = run_endpoint(endpoint_values(df, ep), ep, prereg["treatment"], prereg["control"])
-            out[ep["metric"]] = mark(res, ep)
+            out[ep["metric"]] = problems[0] if problems else mark(res, ep)
     return out
 
 
@@ -216,7 +244,9 @@ def load_audit(root: Path) -> dict:
 
 
 def claims(root: Path) -> pd.DataFrame:
-    rows = []
+    """Every registered endpoint's row; refuses (ValueError naming every problem) when a
+    summary holds runs that cannot give its tests as registered."""
+    rows, problems = [], []
     audit = load_audit(root)
     for exp in EXPERIMENTS:
         path = root / exp / "prereg.yaml"
@@ -234,7 +264,9 @@ def claims(root: Path) -> pd.DataFrame:
         mech_path = root / exp / "mechanism.csv"
         mech = pd.read_csv(mech_path) if mech_path.exists() else None
         tr, ct = prereg["treatment"], prereg["control"]
+        problems += summary_problems(df, exp)
         for ep in prereg["endpoints"]:
+            problems += [f"{exp}: {p}" for p in endpoint_problems(df, ep)]
             values = endpoint_values(df, ep)
             res = run_endpoint(values, ep, tr, ct)
             aa = None
@@ -255,6 +287,9 @@ def claims(root: Path) -> pd.DataFrame:
                 "mechanism_treatment": mechanism_summary(m_cell, d_cell, tr),
                 "mechanism_control": mechanism_summary(m_cell, d_cell, ct), **res,
             })  # fmt: skip
+    if problems:
+        raise ValueError("claims: refused, nothing written; the summaries hold runs that cannot "
+                         "give the registered tests:\n  - " + "\n  - ".join(problems))  # fmt: skip
     return corrected(pd.DataFrame(rows))
 
 

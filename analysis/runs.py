@@ -44,23 +44,13 @@ def results_root(argv: list[str] | None = None) -> Path:
     return Path(p.parse_args(argv).results)
 
 
-def objective_kw(cfg: dict, key: str):
-    """An objective keyword as the run used it: the config's value, else the builder's default
-    (defaults live in the builder only, harness/objectives)."""
-    from harness.objectives import OBJECTIVES
-
-    kw = cfg["objective"]
-    if key in kw:
-        return kw[key]
-    return inspect.signature(OBJECTIVES[kw["name"]]).parameters[key].default
-
-
 _UNSET = object()  # a key neither the config nor a builder's signature gives a value
 
 
 def config_value(cfg: dict, key: str):
     """A dotted key's value as the run used it: the config's, else (an objective or noise
-    keyword the config leaves out) the builder's default, as `objective_kw`; else _UNSET."""
+    keyword the config leaves out) the builder's default (defaults live in the builders); else
+    _UNSET."""
     node: object = cfg
     parts = key.split(".")
     for part in parts:
@@ -98,9 +88,9 @@ def matching_arms(cfg: dict, arms: dict) -> list[str]:
 
 
 @functools.cache
-def preset_arms(exp: str) -> dict:
-    """The arms that experiment=<exp> declares (experiments/), for runs whose config.yaml
-    predates the `arms` key; {} when <exp> is no training preset."""
+def preset_config(exp: str) -> dict:
+    """experiment=<exp> composed as a training run (experiments/); {} when <exp> is no
+    training preset."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -114,9 +104,15 @@ def preset_arms(exp: str) -> dict:
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3"):
             cfg = compose("train", overrides=[f"experiment={exp}"])
-    except (HydraException, OmegaConfBaseException):  # a measure preset: no arms
+    except (HydraException, OmegaConfBaseException):  # a measure preset
         return {}
-    return OmegaConf.to_container(cfg.arms) if cfg.get("arms") is not None else {}
+    return OmegaConf.to_container(cfg)
+
+
+def preset_arms(exp: str) -> dict:
+    """The arms that experiment=<exp> declares, for runs whose config.yaml predates the `arms`
+    key; {} when <exp> is no training preset."""
+    return preset_config(exp).get("arms") or {}
 
 
 def arm_label(exp: str, cfg: dict) -> str:
@@ -159,6 +155,51 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
             recipe_hash=model.get("recipe_hash"),
         ))  # fmt: skip
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+# config keys that do not define what a run trains: where and how it reports, and the
+# experiment's own declarations
+NOT_RECIPE = ("progress", "out", "name", "arms", "prereg")
+
+
+def swept_keys(run: Path) -> set[str]:
+    """The keys the run's command line set (Hydra's .hydra/overrides.yaml; none without it)."""
+    path = run / ".hydra" / "overrides.yaml"
+    items = yaml.safe_load(path.read_text()) if path.exists() else None
+    return {o.split("=", 1)[0].lstrip("+~") for o in items or []}
+
+
+def config_problems(root: Path, exp: str) -> list[str]:
+    """Why the raw runs of `exp` are not one experiment: a config key on which they differ
+    although not every run's command line set it (a sweep axis is set by every run: `seed=0,1`,
+    `noise.sigma=1,2`; a toy sweep's `steps=4` or a changed default is not), and duplicate
+    runs (one effective config in two folders: a paired test would count that seed twice)."""
+    runs = sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl"))
+    cfgs = {r.name: yaml.safe_load((r / "config.yaml").read_text()) for r in runs}
+    recipe = {
+        name: {
+            k: v for k, v in effective(flatten(cfg)).items() if k.split(".")[0] not in NOT_RECIPE
+        }
+        for name, cfg in cfgs.items()
+    }
+    arms = [preset_arms(exp), *(cfg.get("arms") or {} for cfg in cfgs.values())]
+    arm_keys = {k for a in arms for values in a.values() for k in values or {}}
+    swept = set.intersection(*map(swept_keys, runs)) if runs else set()
+    problems = []
+    seeds = {k for r in recipe.values() for k in r if k == "seed" or k.endswith(".seed")}
+    for key in sorted(set().union(*recipe.values()) - swept - arm_keys - seeds):
+        by_value: dict[str, list[str]] = {}
+        for name, r in recipe.items():
+            by_value.setdefault(repr(r.get(key, "<unset>")), []).append(name)
+        if len(by_value) > 1:
+            parts = "; ".join(f"{v} in {len(n)} runs like {n[0]}" for v, n in by_value.items())
+            problems.append(f"mixed configs: {key} = {parts}")
+    same: dict[str, list[str]] = {}
+    for name, r in recipe.items():
+        same.setdefault(repr(sorted((k, repr(v)) for k, v in r.items())), []).append(name)
+    dups = [n for n in same.values() if len(n) > 1]
+    problems += [f"duplicate runs (one config, {len(n)} folders): {', '.join(n)}" for n in dups]
+    return problems
 
 
 MECHANISM = ["mean_abs_delta", "oob_frac", "fork_oob_share", "fork_frac", "forks_deleted",

@@ -74,8 +74,8 @@ def _summary(values):
     rows = []
     for (arm, seed), ms in values.items():
         for step, m in enumerate(ms, 1):
-            rows.append(dict(arm=arm, seed=seed, step=step, m=m, complete=True,
-                             eval_acc=m if step % 2 == 0 else None))  # fmt: skip
+            rows.append(dict(run=f"{arm}{seed}", arm=arm, seed=seed, step=step, m=m,
+                             complete=True, eval_acc=m if step % 2 == 0 else None))  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -247,3 +247,41 @@ def test_the_aa_cell_pairs_the_control_arm_with_itself_on_other_seeds():
     ep = PREREG["endpoints"][0]
     res = run_endpoint(aa, ep, "A/A", "C")
     assert res["diff"] == pytest.approx(0.5) and res["pairs"] == 3
+
+
+def test_claims_refuses_runs_that_cannot_give_the_registered_tests(tmp_path):
+    """The toy sweep case: a summary of 4-step runs where the preset registers 100 steps (a
+    window [76, 100]) gives no verdict; nor do a run that stopped early or a seed twice."""
+    from analysis.claims import claims
+
+    exp = tmp_path / "nsr_vs_decay"
+    exp.mkdir()
+    from analysis.runs import preset_config
+
+    prereg = preset_config("nsr_vs_decay")["prereg"]
+    (exp / "prereg.yaml").write_text(yaml.safe_dump(prereg, allow_unicode=True))
+    vals = {(arm, s): [0.1, 0.2, 0.3, 0.4] for arm in ("NSR", "deterministic decay") for s in range(2)}
+    toy = _summary(vals).assign(steps=4, entropy_mean=0.3)
+    toy.to_csv(exp / "summary.csv", index=False)
+    with pytest.raises(ValueError) as e, pytest.warns(UserWarning, match="checksum"):
+        claims(tmp_path)
+    msg = str(e.value)
+    assert "nsr_vs_decay: run NSR0 ran 4 steps; the preset registers 100" in msg
+    assert "entropy: window [76, 100] lies beyond the last step (the last step is 4)" in msg
+    full = _summary({k: [0.1] * 100 for k in vals}).assign(steps=100, entropy_mean=0.3)
+    stopped = full[~((full.run == "NSR1") & (full.step > 60))]
+    stopped.to_csv(exp / "summary.csv", index=False)
+    with pytest.raises(ValueError, match="run NSR1 stopped at step 60 of 100"):
+        with pytest.warns(UserWarning, match="checksum"):
+            claims(tmp_path)
+    twice = pd.concat([full, full[full.run == "NSR1"].assign(run="NSR1-again")])
+    twice.to_csv(exp / "summary.csv", index=False)
+    with pytest.raises(
+        ValueError, match=r"arm 'NSR' seed 1 has 2 runs in this cell \(NSR1, NSR1-again\)"
+    ):
+        with pytest.warns(UserWarning, match="checksum"):
+            claims(tmp_path)
+    full.to_csv(exp / "summary.csv", index=False)
+    with pytest.warns(UserWarning, match="checksum"):
+        table = claims(tmp_path)
+    assert (table[table.experiment == "nsr_vs_decay"].pairs == 2).all()

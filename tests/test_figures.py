@@ -109,20 +109,31 @@ def test_figure_script_runs_on_fixture(exp, results):
     assert pngs[0].with_suffix(".pdf").exists()
 
 
+def _raw_run(root, name, cfg, steps_done=3, overrides=None, exp="nsr_vs_decay"):
+    """A training run folder as harness.train writes it: config, mechanism check, metrics
+    (reward 0.1·step), and Hydra's record of the command line's overrides."""
+    run = root / exp / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "mechanism.json").write_text(json.dumps({"oob_frac": 0.1 * (cfg["seed"] + 1)}))
+    lines = [{"step": s, "reward/mean": 0.1 * s, "clip/frac_low": 0.01} for s in range(1, 4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines[:steps_done]))
+    if overrides is not None:
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    return run
+
+
+def _cfg(seed, steps=3, **objective):
+    return {"seed": seed, "steps": steps, "objective": {"name": "nsr", "mode": "push", **objective},
+            "noise": {"name": "logit", "sigma": 0.3, "seed": seed},
+            "alpha": {"staleness": 0, "minibatches": 1}, "optim": {"lr": 1e-4},
+            "engine": {"logp_old_source": "sampler"}, "prereg": {"claim": "c"}}  # fmt: skip
+
+
 def test_summarize_reads_raw_runs(tmp_path):
     for seed, steps_done in [(0, 3), (1, 2)]:  # the second run stopped early: flagged incomplete
-        run = tmp_path / "nsr_vs_decay" / f"objective.mode=push,seed={seed}"
-        run.mkdir(parents=True)
-        cfg = {"seed": seed, "steps": 3, "objective": {"name": "nsr", "mode": "push"},
-               "noise": {"name": "logit", "sigma": 0.3},
-               "alpha": {"staleness": 0, "minibatches": 1}, "optim": {"lr": 1e-4},
-               "engine": {"logp_old_source": "sampler"}, "prereg": {"claim": "c"}}  # fmt: skip
-        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-        (run / "mechanism.json").write_text(json.dumps({"oob_frac": 0.1 * (seed + 1)}))
-        lines = [{"step": s, "reward/mean": 0.1 * s, "clip/frac_low": 0.01} for s in range(1, 4)]
-        (run / "metrics.jsonl").write_text(
-            "".join(json.dumps(m) + "\n" for m in lines[:steps_done])
-        )
+        run = _raw_run(tmp_path, f"objective.mode=push,seed={seed}", _cfg(seed), steps_done)
     summarize(["nsr_vs_decay", "--results", str(tmp_path)])
     df = pd.read_csv(tmp_path / "nsr_vs_decay" / "summary.csv")
     assert len(df) == 5 and set(df.arm) == {"push control"}
@@ -131,9 +142,63 @@ def test_summarize_reads_raw_runs(tmp_path):
     mech = pd.read_csv(tmp_path / "nsr_vs_decay" / "mechanism.csv")
     assert mech.oob_frac.tolist() == [0.1, 0.2] and mech.trained.all()
     assert yaml.safe_load((tmp_path / "nsr_vs_decay" / "prereg.yaml").read_text()) == {"claim": "c"}
-    cfg["prereg"] = {"claim": "changed after the first run"}  # a run under another prereg
+    cfg = {**_cfg(1), "prereg": {"claim": "changed after the first run"}}  # another prereg
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ValueError, match="different pre-registrations"):
+        summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+
+
+def test_a_single_run_without_arms_takes_its_label_from_the_builders_defaults(tmp_path):
+    cfg = _cfg(0)
+    del cfg["objective"]["mode"]  # left to harness.objectives' default (stochastic: NSR)
+    _raw_run(tmp_path, "objective.name=nsr", cfg)
+    summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    assert set(pd.read_csv(tmp_path / "nsr_vs_decay" / "summary.csv").arm) == {"NSR"}
+
+
+def test_summarize_never_drops_committed_runs_without_force(tmp_path):
+    out = tmp_path / "nsr_vs_decay" / "summary.csv"
+    out.parent.mkdir()
+    committed = pd.DataFrame({"run": ["a", "a", "b"], "step": [1, 2, 1]})
+    committed.to_csv(out, index=False)
+    _raw_run(tmp_path, "toy", _cfg(0), overrides=["seed=0"])  # a toy sweep into that folder
+    with pytest.raises(SystemExit, match=r"holds 2 runs that have no run folder here \(e.g. a\)"):
+        summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    assert out.read_text() == committed.to_csv(index=False)  # untouched
+    summarize(["nsr_vs_decay", "--results", str(tmp_path), "force=true"])
+    assert set(pd.read_csv(out).run) == {"toy"}
+
+
+def test_summarize_refuses_mixed_configs_and_duplicate_runs_naming_them(tmp_path):
+    _raw_run(tmp_path, "seed=0", _cfg(0), overrides=["seed=0"])
+    _raw_run(tmp_path, "seed=1", _cfg(1), overrides=["seed=1"])
+    _raw_run(tmp_path, "seed=2,steps=4", _cfg(2, steps=4), overrides=["seed=2", "steps=4"])
+    with pytest.raises(SystemExit) as e:
+        summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    assert "mixed configs: steps = 3 in 2 runs like seed=0; 4 in 1 runs like seed=2,steps=4" in str(
+        e.value
+    )
+    assert not (tmp_path / "nsr_vs_decay" / "summary.csv").exists()
+    # a swept axis (every run's command line sets it) and the arms' keys are not mixed configs
+    for d in (tmp_path / "nsr_vs_decay").iterdir():
+        o = d / ".hydra" / "overrides.yaml"
+        o.write_text(yaml.safe_dump([*yaml.safe_load(o.read_text()), "steps=3"]))
+    (tmp_path / "nsr_vs_decay" / "seed=2,steps=4" / ".hydra" / "overrides.yaml").write_text(
+        yaml.safe_dump(["seed=2", "steps=4", "objective.mode=stochastic"])
+    )
+    cfg = yaml.safe_load((tmp_path / "nsr_vs_decay" / "seed=2,steps=4" / "config.yaml").read_text())
+    cfg["objective"]["mode"] = "stochastic"
+    (tmp_path / "nsr_vs_decay" / "seed=2,steps=4" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    df = pd.read_csv(tmp_path / "nsr_vs_decay" / "summary.csv")
+    assert df.groupby("arm").seed.unique().map(list).to_dict() == {
+        "push control": [0, 1],
+        "NSR": [2],
+    }
+    _raw_run(tmp_path, "copy of seed=1", _cfg(1), overrides=["seed=1", "steps=3"])
+    with pytest.raises(
+        SystemExit, match="duplicate runs .one config, 2 folders.: copy of seed=1, seed=1"
+    ):
         summarize(["nsr_vs_decay", "--results", str(tmp_path)])
 
 
