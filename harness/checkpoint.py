@@ -1,6 +1,11 @@
 """A run's state on disk: checkpoints (atomic, rotated, loaded weights-only), the RNG states,
 the metric lines, resume, roll-back after a non-finite step, and the config contract (a rerun in
-a run directory must use that run's config, or say `resume=override`)."""
+a run directory must use that run's config, or say `resume=override`).
+
+One process writes `checkpoints/step_N.pt`; a sharded trainer (harness.distributed) writes the
+folder `checkpoints/step_N/`: model and optimizer through torch.distributed.checkpoint (each rank
+its shards), `state.pt` (step, objective, weight history, guard, rank 0's RNG) and `rng_R.pt`
+per rank, into a hidden temp folder that rank 0 renames after every rank has written."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import json
 import math
 import pickle
 import random
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +21,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness import distributed
 from harness.diagnostics import collapse_guard
 from harness.io import write_text_atomic
 
@@ -23,8 +30,9 @@ if TYPE_CHECKING:
 
 
 def checkpoints(run: Path) -> list[Path]:
-    """The run's regular checkpoints, newest first (abort checkpoints are not among them)."""
-    return sorted((run / "checkpoints").glob("step_*.pt"), key=lambda p: -int(p.stem[5:]))
+    """The run's regular checkpoints (files, or folders of a sharded run), newest first (abort
+    checkpoints and temp folders are not among them)."""
+    return sorted((run / "checkpoints").glob("step_*"), key=lambda p: -int(p.stem[5:]))
 
 
 def save_checkpoint(run: Path, step: int, state: dict, keep: int, aborted: bool = False) -> Path:
@@ -42,6 +50,128 @@ def save_checkpoint(run: Path, step: int, state: dict, keep: int, aborted: bool 
         for old in checkpoints(run)[keep:]:
             old.unlink()
     return dest
+
+
+def save_sharded(run: Path, step: int, s: Setup, state: dict, keep: int, aborted: bool) -> Path:
+    """`save_checkpoint` of a sharded trainer (every rank calls it): the model's and the
+    optimizer's shards through torch.distributed.checkpoint, `state` (no model, no optimizer)
+    by rank 0 and each rank's RNG, all into `.<name>.tmp/`, renamed by rank 0 once every rank
+    has written (a barrier): a crash leaves a temp folder, never a folder read as complete."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = torch.distributed.get_rank()
+    d = run / "checkpoints"
+    name = f"{'abort_' if aborted else ''}step_{step}"
+    tmp, dest = d / f".{name}.tmp", d / name
+    if rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's
+    distributed.barrier()
+    dcp.save(sharded_state(s), checkpoint_id=tmp)
+    torch.save({"rng": state["rng"]}, tmp / f"rng_{rank}.pt")
+    if rank == 0:
+        torch.save(
+            {k: v for k, v in state.items() if k not in ("model", "optim")}, tmp / "state.pt"
+        )
+    distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.replace(dest)
+        if not aborted:
+            for old in checkpoints(run)[keep:]:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+    distributed.barrier()
+    return dest
+
+
+def sharded_state(s: Setup) -> dict:
+    """The sharded trainer's model and optimizer state (this rank's shards)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model = s.policy.model
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, s.opt)}
+
+
+def load_sharded(path: Path, s: Setup) -> dict:
+    """A sharded checkpoint into `s` (model and optimizer in place); returns `state.pt` with this
+    rank's RNG. Everything is read weights-only: the shards by torch.distributed.checkpoint, its
+    metadata through `SafeReader`, the rest by `load_checkpoint`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = sharded_state(s)
+    dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner())
+    set_model_state_dict(s.policy.model, state["model"])
+    set_optimizer_state_dict(s.policy.model, s.opt, state["optim"])
+    rank = torch.distributed.get_rank()
+    return load_checkpoint(path / "state.pt") | load_checkpoint(path / f"rng_{rank}.pt")
+
+
+# what torch.distributed.checkpoint's metadata file holds: its own dataclasses, sizes, dtypes
+DCP_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        ok = (module, name) in DCP_GLOBALS or module in (
+            "torch.distributed.checkpoint.metadata",
+            "torch.distributed.checkpoint.filesystem",
+        )
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            ok = True
+        if not ok:
+            raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def _safe_reader():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeReader(FileSystemReader):
+        """torch.distributed.checkpoint's reader whose metadata unpickler admits only the
+        checkpoint's own dataclasses, sizes and dtypes (the stock one unpickles anything)."""
+
+        def read_metadata(self, *args, **kwargs):
+            path = Path(self.path) / ".metadata"
+            try:
+                with path.open("rb") as f:
+                    md = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise RefusedCheckpoint(
+                    f"refusing to load {path}: {e} (not a checkpoint this harness wrote; it "
+                    "could run code when unpickled). Delete the folder or move it out of the run "
+                    "directory."
+                ) from e
+            md.storage_meta = md.storage_meta or StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    class SafePlanner(DefaultLoadPlanner):
+        """Non-tensor entries (the optimizer's hyper-parameters) read weights-only."""
+
+        def load_bytes(self, read_item, value) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._nested_dict import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    return SafeReader, SafePlanner
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -106,26 +236,35 @@ def resume(s: Setup, run_dir: Path, metrics_path: Path, cfg: DictConfig) -> tupl
     in a warning and skipped), else a fresh start. The config's optimizer settings are applied
     to the restored optimizer (they equal the checkpoint's unless `resume=override`)."""
     for ck in checkpoints(run_dir):
+        if ck.is_dir() != s.policy.sharded:
+            raise ValueError(
+                f"{ck} was written by a {'sharded' if ck.is_dir() else 'one-process'} trainer, "
+                f"this run's is {'sharded' if s.policy.sharded else 'one process'}: resume with "
+                "the world size and engine.fsdp the run started with, or use a new out= directory"
+            )
         try:
-            state = load_checkpoint(ck)
+            state = load_sharded(ck, s) if ck.is_dir() else load_checkpoint(ck)
         except RefusedCheckpoint:
             raise
         except Exception as e:  # truncated or corrupt: the previous one is still good
             print(f"[train] warning: checkpoint {ck} is damaged ({type(e).__name__}: "
                   f"{str(e)[:120]}); trying the previous one", flush=True)  # fmt: skip
             continue
-        s.policy.model.load_state_dict(state["model"])
-        s.opt.load_state_dict(state["optim"])
+        if not ck.is_dir():
+            s.policy.model.load_state_dict(state["model"])
+            s.opt.load_state_dict(state["optim"])
         for group in s.opt.param_groups:
             group.update(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                          weight_decay=cfg.optim.weight_decay)  # fmt: skip
         s.objective.load_state_dict(state["objective"])
         s.history.load_state_dict(state["history"])
         set_rng_state(state["rng"])
-        truncate_metrics(metrics_path, state["step"])
+        if distributed.rank() == 0:
+            truncate_metrics(metrics_path, state["step"])
         print(f"[train] resumed from {ck} (step {state['step']})", flush=True)
         return state["step"] + 1, state["guard"]
-    metrics_path.unlink(missing_ok=True)  # a fresh run: never append to a previous log
+    if distributed.rank() == 0:
+        metrics_path.unlink(missing_ok=True)  # a fresh run: never append to a previous log
     return 1, collapse_guard()
 
 
@@ -192,18 +331,27 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 def roll_back(s: Setup) -> None:
     """After a step that made a weight non-finite: the previous weights back (and, for a
     bf16/fp16 trainer, its fp32 master weights re-seeded from them)."""
-    s.policy.model.load_state_dict(s.history.newest())
+    if s.policy.sharded:
+        distributed.load_full_state(s.policy.model, s.history.newest())
+    else:
+        s.policy.model.load_state_dict(s.history.newest())
     if hasattr(s.opt, "pull"):
         s.opt.pull()
 
 
 def checkpoint_state(s: Setup, step: int, guard: dict) -> dict[str, Any]:
+    """The run's state after `step`; a sharded trainer's model and optimizer are saved by
+    `save_sharded`, not here."""
+    sharded = s.policy.sharded
     return {
         "step": step,
-        "model": s.policy.model.state_dict(),
-        "optim": s.opt.state_dict(),
+        "model": None if sharded else s.policy.model.state_dict(),
+        "optim": None if sharded else s.opt.state_dict(),
         "objective": s.objective.state_dict(),
         "history": s.history.state_dict(),
         "guard": guard,
         "rng": rng_state(),
     }
+
+
+SafeReader, SafePlanner = _safe_reader()

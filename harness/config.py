@@ -63,6 +63,10 @@ class EngineCfg:
     # the trainer's gradient pass keeps only each decoder layer's input and recomputes the layer
     # in backward (harness.engines.checkpoint_layers)
     activation_checkpointing: bool = False
+    # shard the trainer with FSDP2 across the ranks of torchrun or a multi-task Slurm job
+    # (harness.distributed): null shards when there is more than one rank; true also with one
+    # (a process group of one: the GPU check's FSDP2 run)
+    fsdp: bool | None = None
 
 
 @dataclass

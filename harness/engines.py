@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm.auto import trange
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from harness import decode
+from harness import decode, distributed
 from harness.logprobs import (
     DEFAULT_CHUNK,
     check_sampling,
@@ -230,6 +230,9 @@ class Engine:
         self.eos_ids = eos_ids(model).to(self.device)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.micro_batch_tokens = micro_batch_tokens
+        # a model sharded across ranks (harness.distributed.shard): every forward is a collective,
+        # so every rank runs the same number of passes and decode steps
+        self.sharded = distributed.sharded(model)
         self._checkpointed: list[nn.Module] = []
         if activation_checkpointing:
             try:
@@ -293,7 +296,11 @@ class Engine:
         top_k: int = 0,
         seed: int = 0,
         progress: bool = False,
+        batch_rows: tuple[int, int] | None = None,
     ) -> Rollout:
+        """`batch_rows` (first, total): this call's rows are rows first, first + 1, ... of a batch
+        of `total` rows whose random draws it shares (a rank's share of the step's groups): row i
+        gets the draws row first + i gets when one call samples the whole batch."""
         check_sampling(temperature, top_k, top_p)
         ids, attn = self.encode_prompts(prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)
@@ -312,6 +319,7 @@ class Engine:
             logits = self._next_logits(ids, attn, cache, h)
         prompt_ids, prompt_mask = ids, attn
         B = ids.shape[0]
+        first, total = batch_rows or (0, B)
         lean = (
             decode.LeanDecoder(self.model, cache, attn, max_new_tokens)
             if self._can_decode_lean()
@@ -344,7 +352,7 @@ class Engine:
                     f"sampler: non-finite next-token distribution at decode step {step} (NaN or "
                     "no finite logit): the weights or the noise produced NaN/inf; not sampling"
                 )
-            tok_live = sample_rows(logp.exp(), live, B, g)
+            tok_live = sample_rows(logp.exp(), first + live, total, g)
             tok = torch.full((B,), self.pad_id, dtype=torch.long, device=dev)
             tok[live] = tok_live
             tok = torch.where(done, self.pad_id, tok)
@@ -359,7 +367,7 @@ class Engine:
                 sup[live] = kept
                 sups.append(sup)
             done = done | torch.isin(tok, self.eos_ids)
-            if bool(done.all()) or step == max_new_tokens - 1:
+            if self._all_done(done) or step == max_new_tokens - 1:
                 break
             if prune and len(live) > floor and bool(done[live].any()):
                 padded = None if lean is not None else ~prompt_mask[live].bool().all(1)
@@ -402,6 +410,10 @@ class Engine:
             temperature=temperature,
             routing=router.take_record() if (router := self._noise_of(RoutingNoise)) else None,
         )
+
+    def _all_done(self, done: Tensor) -> bool:
+        """Every row finished; sharded, on every rank (the ranks decode in lockstep)."""
+        return distributed.all_true(done.all()) if self.sharded else bool(done.all())
 
     # --- trainer ---------------------------------------------------------------------------
 
@@ -464,11 +476,11 @@ class Engine:
     ) -> tuple[Tensor, Tensor] | None:
         """(one row index per distinct prompt [U], each row's prompt index [B]), or None when no
         two rows share a prompt (or sharing is off). Off too in a pass with grad under activation
-        checkpointing: the shared prefix reaches the rows through a KV cache, which a recomputed
-        layer cannot write again."""
+        checkpointing (the shared prefix reaches the rows through a KV cache, which a recomputed
+        layer cannot write again) or sharding (FSDP runs each layer's backward once per forward)."""
         if not self._can_share_prefix() or tokens.shape[0] < 2:
             return None
-        if self._checkpointed and torch.is_grad_enabled():
+        if (self._checkpointed or self.sharded) and torch.is_grad_enabled():
             return None
         m = attention_mask[:, :n_prompt].long()
         key = torch.cat([tokens[:, :n_prompt] * m, m], 1)
@@ -537,8 +549,29 @@ class Engine:
         if grad:
             return self._logp_rows(ro, rows, True, stats, mask_replay)
         parts = self.micro_batches(ro, rows)
-        outs = [self._logp_rows(ro, rows[p], False, stats, mask_replay) for p in parts]
+        outs = [
+            self._logp_rows(ro, rows[p], False, stats, mask_replay) for p in parts if len(rows[p])
+        ]
+        self.idle_passes(ro, self.passes(len(outs)) - len(outs), grad=False)
+        if not outs:  # a rank without rows in this minibatch
+            keys = ("logp", "p_t", "entropy", "p_sq_sum") if stats else ("logp",)
+            return {k: ro.logp_mu.new_zeros(0, ro.logp_mu.shape[1]) for k in keys}
         return outs[0] if len(outs) == 1 else {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+
+    def passes(self, n: int) -> int:
+        """The number of passes every rank runs when this one needs `n` (sharded: the most any
+        rank needs, since FSDP's collectives pair up pass by pass)."""
+        return distributed.max_over_ranks(n) if self.sharded else n
+
+    def idle_passes(self, ro: Rollout, n: int, grad: bool) -> None:
+        """`n` passes on the rollout's first row that add nothing (a zero gradient with grad):
+        a rank with fewer micro-batches than another keeps FSDP's collectives paired."""
+        for _ in range(n):
+            out = self._logp_rows(
+                ro, torch.zeros(1, dtype=torch.long, device=self.device), grad, False, False
+            )
+            if grad:
+                (out["logp"] * 0.0).sum().backward()
 
     def _logp_rows(
         self, ro: Rollout, rows: Tensor, grad: bool, stats: bool, mask_replay: bool
@@ -546,7 +579,7 @@ class Engine:
         """One scoring call of rows `rows`, with R3's routes of these rows set for it only."""
         replay = self._noise_of(RoutingReplay)
         if replay is None:
-            return self._logp(ro, rows, grad, stats, mask_replay)
+            return self._forward(self._logp, ro, rows, grad, stats, mask_replay)
         if ro.routing is None:
             raise ValueError(
                 "routing replay (R3) needs the sampler's routes: the sampler must carry "
@@ -554,9 +587,14 @@ class Engine:
             )
         replay.set_indices(ro.routing[rows])
         try:
-            return self._logp(ro, rows, grad, stats, mask_replay)
+            return self._forward(self._logp, ro, rows, grad, stats, mask_replay)
         finally:
             replay.indices = None
+
+    def _forward(self, fn: Callable, *args):
+        """fn(*args); sharded, as a forward of the root, whose parameters (embeddings, head) the
+        scoring reads outside any module's forward."""
+        return self.model.run(fn, *args) if self.sharded else fn(*args)
 
     def _logp(
         self, ro: Rollout, rows: Tensor, grad: bool, stats: bool, mask_replay: bool

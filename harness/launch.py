@@ -236,6 +236,11 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     run.mkdir(parents=True, exist_ok=True)
     if "out" in cfg:
         cfg.out = str(run)
+    from harness.distributed import environment
+
+    if environment().rank != 0:  # rank 0 keeps the run's record
+        check_nodes(cfg)
+        return fn(cfg)
     attempt = {
         "start_time": _now(),
         "host": socket.gethostname(),

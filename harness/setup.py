@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness import distributed
 from harness.alpha import WeightHistory
+from harness.distributed import ONE, Ranks
 from harness.engines import Engine
 from harness.launch import AGGREGATION_KEYS, check_nodes
 from harness.logprobs import check_sampling
@@ -65,7 +67,8 @@ def task_spec(cfg: DictConfig) -> tuple[str, dict[str, Any], dict | None]:
 
 
 def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, dict]:
-    """The task, the trainer's model (trainer dtype), its tokenizer and its identity (spec,
+    """The task, the trainer's model (trainer dtype; fp32 master weights when it will be sharded,
+    FSDP's mixed precision computing in the trainer dtype), its tokenizer and its identity (spec,
     weights checksum, recipe hash for task models: recorded in meta.json)."""
     from harness.warmstart import load_task_model, model_identity
 
@@ -80,8 +83,16 @@ def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, d
     task = build(TASKS, task_name, "task", **task_kw)
     # weights are built (and warm-started) on the CPU, then placed: every copy (sampler, π_old,
     # teacher) is a deepcopy of this model, so all three policies share its device
-    model = model.to(resolve_device(cfg.engine.device), resolve_dtype(cfg.engine.trainer_dtype))
+    dtype = "fp32" if fsdp(cfg) else cfg.engine.trainer_dtype
+    model = model.to(resolve_device(cfg.engine.device), resolve_dtype(dtype))
     return task, model, tok, model_identity(model, cfg.model.spec, recipe)
+
+
+def fsdp(cfg: DictConfig) -> bool:
+    """Whether the trainer is sharded: engine.fsdp, else (null) when the world has > 1 rank."""
+    if cfg.engine.fsdp is not None:
+        return bool(cfg.engine.fsdp)
+    return distributed.environment().world > 1
 
 
 def build_sampler(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
@@ -191,6 +202,38 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
+def validate_ranks(cfg: DictConfig, world: int) -> None:
+    """The checks a run across `world` ranks adds, before any compute; each error names the key,
+    the bad value and what is valid."""
+    r = cfg.rollout
+    if cfg.engine.fsdp is False and world > 1:
+        raise ValueError(f"engine.fsdp=False with {world} ranks; valid: true or null (ranks "
+                         "shard the trainer with FSDP2), or one rank")  # fmt: skip
+    if world == 1:
+        return
+    if r.prompts_per_step % world:
+        raise ValueError(
+            f"rollout.prompts_per_step={r.prompts_per_step} with {world} ranks; valid: a "
+            f"multiple of the world size {world} (each rank samples whole groups)"
+        )
+    if cfg.eval_every and cfg.eval_n < world:
+        raise ValueError(f"eval_n={cfg.eval_n} with {world} ranks; valid: >= {world}")
+    fresh = [n["name"] for n in noise_nodes(cfg) if n.get("deterministic") is False]
+    unsupported = [
+        ("engine.sampler", cfg.engine.sampler, cfg.engine.sampler != "hf", "'hf'"),
+        ("engine.trainer_fp8", cfg.engine.trainer_fp8, cfg.engine.trainer_fp8, "false"),
+        ("objective.adaptive", cfg.objective.get("adaptive"), bool(cfg.objective.get("adaptive")),
+         "false (its refresh pass is one process's)"),
+        ("noise.deterministic", False, bool(fresh),
+         "true (fresh draws follow the batch layout, which the ranks split)"),
+        ("noise", "batch", "batch" in [n["name"] for n in noise_nodes(cfg)],
+         "a noise that does not depend on which rows share the batch"),
+    ]  # fmt: skip
+    for key, value, bad, valid in unsupported:
+        if bad:
+            raise ValueError(f"{key}={value!r} with {world} ranks; valid: {valid}")
+
+
 @dataclass
 class Setup:
     """What `run` builds: the task, the three policies and the optimizer state."""
@@ -208,6 +251,13 @@ class Setup:
     identity: dict
     # (noise model, its configured σ): drivers.beta_growth scales σ from these each step
     sigma0: list[tuple[Any, float]]
+    ranks: Ranks = ONE  # this process's rank and the world size (harness.distributed)
+
+    @property
+    def trainer(self) -> Any:
+        """What the weight history copies: the trainer's model, its full weights when sharded."""
+        m = self.policy.model
+        return distributed.FullView(m) if self.policy.sharded else m
 
 
 def build_policy(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
@@ -231,8 +281,15 @@ def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine,
     copy, None otherwise. Every copy is taken before any noise or replay hook is attached
     (deepcopy copies hooks)."""
     sampler = build_sampler(cfg, model, tok)
-    old_model = copy.deepcopy(model).requires_grad_(False) if cfg.alpha.staleness > 0 else None
-    teacher = copy.deepcopy(model).eval().requires_grad_(False) if cfg.distill.enabled else None
+    dtype = resolve_dtype(cfg.engine.trainer_dtype)  # the copies compute as the trainer does
+    old_model = (
+        copy.deepcopy(model).to(dtype).requires_grad_(False) if cfg.alpha.staleness > 0 else None
+    )
+    teacher = (
+        copy.deepcopy(model).to(dtype).eval().requires_grad_(False) if cfg.distill.enabled else None
+    )
+    if fsdp(cfg):  # after the copies: each rank keeps its own full sampler, π_old and teacher
+        model = distributed.shard(model, cfg.model.spec, dtype)
     policy = build_policy(cfg, model, tok)
     if old_model is not None:
         old_policy = build_policy(cfg, old_model, tok)
@@ -243,10 +300,11 @@ def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine,
     return policy, old_policy, sampler, teacher
 
 
-def build_setup(cfg: DictConfig) -> Setup:
+def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
     set_tf32(cfg.engine.tf32)  # process-wide; the run's one setting
     task, model, tok, identity = build_task_and_model(cfg)
     policy, old_policy, sampler, teacher = build_engines(cfg, model, tok)
+    model = policy.model
     obj_name, obj_kw = split_node(cfg.objective)
     if obj_name != "opsd_fkl":  # the aggregation node: the name and the denominator convention
         agg_name, agg_kw = split_node(cfg.aggregation)
@@ -258,17 +316,18 @@ def build_setup(cfg: DictConfig) -> Setup:
         weight_decay=cfg.optim.weight_decay,
     )
     history = WeightHistory(cfg.alpha.staleness)
-    history.push(model)
     harder = None
     if cfg.drivers.harder_at:
         task_name, task_kw, _ = task_spec(cfg)
         kw = {**task_kw, **OmegaConf.to_container(cfg.drivers.harder, resolve=True)}
         harder = build(TASKS, task_name, "task", **kw)
-    return Setup(
+    s = Setup(
         task, harder, tok, policy, old_policy, sampler, teacher,
         build_objective(obj_name, **obj_kw), opt, history, identity,
-        [(n, n.sigma) for n in sampler.noise if hasattr(n, "sigma")],
+        [(n, n.sigma) for n in sampler.noise if hasattr(n, "sigma")], ranks,
     )  # fmt: skip
+    history.push(s.trainer)
+    return s
 
 
 def step_seed(seed: int, step: int) -> int:

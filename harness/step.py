@@ -21,7 +21,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from harness import distributed
 from harness.batch import TokenBatch
+from harness.distributed import ONE, Ranks
 from harness.engines import Engine, micro_batches
 from harness.objectives.core import ObjectiveOutput
 from harness.rollout import Rollout
@@ -65,10 +67,12 @@ def collect(
     logp_old_source: str = "trainer",
     mask_replay: bool = True,
     progress: bool = False,
+    batch_rows: tuple[int, int] | None = None,
 ) -> tuple[TokenBatch, Rollout, Tensor]:
     """μ samples `sampling.n` responses per prompt; `reward(ro)` → [B] rewards; group
     advantages; π_old scored by `old_policy` (with the sampler's support and routes for these
-    rows). Returns (batch, rollout, rewards); `batch.logp_old` is None when `old_policy` is."""
+    rows). Returns (batch, rollout, rewards); `batch.logp_old` is None when `old_policy` is.
+    `batch_rows`: these rows' place in the step's batch (a rank's share; `Engine.generate`)."""
     ro = sampler.generate(
         list(prompts),
         n=sampling.n,
@@ -78,6 +82,7 @@ def collect(
         top_k=sampling.top_k,
         seed=seed,
         progress=progress,
+        batch_rows=batch_rows,
     )
     rewards = reward(ro).to(ro.logp_mu.device)  # tasks score on the CPU; the batch lives on μ's
     adv = group_advantages(rewards, ro.prompt_index, advantage)
@@ -175,13 +180,13 @@ def optimizer_step(
     if res is None:
         opt.zero_grad(set_to_none=True)  # what micro-batches before a non-finite one left
         return None
-    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    gnorm = distributed.replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     if not torch.isfinite(gnorm):
         opt.zero_grad(set_to_none=True)
         return None
     opt.step()
-    if restore is not None and not bool(  # one host sync for all parameters
-        torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
+    if restore is not None and not distributed.all_true(  # one host sync for all parameters
+        torch.stack([torch.isfinite(distributed.local(p)).all() for p in model.parameters()]).all()
     ):
         restore()
         return None
@@ -214,7 +219,7 @@ def backward_whole(objective, logp: Tensor, mb: TokenBatch) -> ObjectiveOutput |
 
 def backward_through_logp(
     objective, logp: Tensor, mb: TokenBatch, policy: Engine, ro: Rollout, rows: Tensor,
-    parts: list[slice], mask_replay: bool,
+    parts: list[slice], mask_replay: bool, mine: Tensor | None = None,
 ) -> ObjectiveOutput | None:  # fmt: skip
     """A policy objective's loss L depends on θ only through log π_θ of the minibatch's tokens,
     so ∇_θ L = Σ_{i,t} (∂L/∂logp_it) ∇_θ logp_it (the chain rule; GradCache, Gao et al. 2021,
@@ -222,14 +227,18 @@ def backward_through_logp(
     minibatch's log-probs from a pass without grad, as a leaf: the objective runs once on the
     whole minibatch (its denominators, quantiles, sequence-level ratios, random draws and state
     are the one-shot step's), its backward gives g = ∂L/∂logp [b, T]; then each micro-batch is
-    scored again with grad and backpropagates its rows of g, the parameters' .grad summing them."""
+    scored again with grad and backpropagates its rows of g, the parameters' .grad summing them.
+    Across ranks `logp` and `mb` are the global minibatch's (every rank computes the same L and
+    g), `rows` this rank's rows of the rollout and `mine` their positions in the minibatch: each
+    rank backpropagates its rows of g and the sharded gradient sums the ranks'."""
     res = backward_whole(objective, logp, mb)
     if res is None:
         return None
-    g = logp.grad
+    g = logp.grad if mine is None else logp.grad[mine, : ro.response_ids.shape[1]]
     for p in parts:
         out = policy.logp(ro, rows[p], grad=True, stats=False, mask_replay=mask_replay)
         out["logp"].backward(g[p])
+    policy.idle_passes(ro, policy.passes(len(parts)) - len(parts), grad=True)
     return res
 
 
@@ -255,6 +264,7 @@ def update(
     on_step: Callable[[], None] | None = None,
     restore: Callable[[], None] | None = None,
     shadow: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None,
+    ranks: Ranks = ONE,
 ) -> tuple[TokenBatch, list[dict[str, float]], int]:
     """One optimizer step per (rows, lag) minibatch of `schedule`, in order. `batch.logp_old`
     None: the first pass's detached π_θ is the trainer's score at the behaviour weights (one
@@ -269,19 +279,31 @@ def update(
     first, micro-batch by micro-batch (that pass is π_old when the training pass doubles as it),
     and the gradient is accumulated by `backward_through_logp`: the step equals the one-shot
     step up to float rounding, at the cost of one forward without grad. Returns (the batch with
-    π_old, per-minibatch metrics, number of minibatches skipped as non-finite)."""
+    π_old, per-minibatch metrics, number of minibatches skipped as non-finite).
+
+    Across `ranks`, `batch` and `schedule` are the global batch's (every rank holds all of it),
+    `ro` is this rank's share of the rows (`Ranks.share`): each minibatch is scored without grad
+    on each rank's rows, gathered, and trained through `backward_through_logp`."""
     if batch.logp_old is None and len(schedule) != 1:
         raise ValueError("π_old from the training pass needs exactly one minibatch")
     metrics: list[dict[str, float]] = []
     skipped = 0
     policy.model.train()
+    own = ranks.share(batch.mask.shape[0])
     for i, (rows, lag) in enumerate(schedule):
         rows = rows.to(policy.device)
-        parts = policy.micro_batches(ro, rows)
-        whole = len(parts) == 1  # the pass with grad is the loss's input
+        mine = None  # this rank's positions in the minibatch (all of them on one rank)
+        local = rows
+        if ranks.world > 1:
+            mine = ((rows >= own.start) & (rows < own.stop)).nonzero()[:, 0]
+            local = rows[mine] - own.start
+        parts = [p for p in policy.micro_batches(ro, local) if p.stop > p.start]
+        whole = len(parts) == 1 and mine is None  # the pass with grad is the loss's input
         out = policy.logp(
-            ro, rows, grad=whole, stats=batch.logp_old is None, mask_replay=mask_replay
+            ro, local, grad=whole, stats=batch.logp_old is None, mask_replay=mask_replay
         )  # without grad: micro-batch by micro-batch
+        if mine is not None:
+            out = distributed.gather_scores(out, local, own, rows, batch.mask.shape[1])
         if batch.logp_old is None:  # the pass is in `rows` order (a permutation of all rows)
             order = torch.empty_like(rows)
             order[rows] = torch.arange(len(rows), device=rows.device)
@@ -292,8 +314,9 @@ def update(
         else:
             logp = logp.detach().requires_grad_()
             backward = partial(
-                backward_through_logp, objective, logp, mb, policy, ro, rows, parts, mask_replay
-            )
+                backward_through_logp, objective, logp, mb, policy, ro, local, parts, mask_replay,
+                mine,
+            )  # fmt: skip
         if calibrate and i == 0:
             hp, old_hp = shadow(rows) if shadow else (logp.detach(), mb.logp_recompute)
             metrics.append(
@@ -348,14 +371,21 @@ def backward_distill(
     response tokens) that does not depend on θ: micro-batch p (n_p tokens) backpropagates
     (n_p/N)·mean_p, and Σ_p (n_p/N)·mean_p is the minibatch's mean (the gradient-accumulation
     normalisation of verl's and TRL's token-mean losses); its metrics merge with the same weights.
-    The student's and the teacher's logits exist for one micro-batch at a time."""
-    n_total = mask[rows].sum()
+    The student's and the teacher's logits exist for one micro-batch at a time. Across ranks N is
+    the global minibatch's (summed over the ranks), so each rank's loss and metrics are its share
+    of the global ones and their sum over the ranks is the global minibatch's."""
+    n_total = distributed.sum_over_ranks(mask[rows].sum()).to(mask.device)
     outs, weights, collected = [], [], []
-    for p in parts:
-        r = rows[p]
+    for k in range(student.passes(len(parts))):
+        if k >= len(parts):  # a pass that adds nothing: FSDP's collectives stay paired
+            r = torch.zeros(1, dtype=torch.long, device=rows.device)
+            s, _ = student_teacher_logits(student, teacher, ro, r, teacher_ids[r], teacher_mask[r])
+            (s.sum() * 0.0).backward()
+            continue
+        r = rows[parts[k]]
         s, t = student_teacher_logits(student, teacher, ro, r, teacher_ids[r], teacher_mask[r])
         res = objective(s, t, mask[r])
-        if not torch.isfinite(res.loss):
+        if not distributed.all_true(torch.isfinite(res.loss)):
             return None
         w = mask[r].sum() / n_total
         (w * res.loss).backward()
@@ -363,7 +393,10 @@ def backward_distill(
         weights.append(w)
         if extra is not None:
             collected.append(extra.collect(s.detach(), t, r))
-    res = weighted_sum(outs, weights)
+    res = weighted_sum(outs, weights) if outs else None
+    if distributed.active():
+        res = distributed.sum_outputs(res)
+        collected = [c for part in distributed.gather_objects(collected) for c in part]
     if extra is not None:
         res.metrics.update(extra.reduce(collected))
     return res
@@ -383,17 +416,21 @@ def update_distill(
     extra_metrics: PartMetrics | None = None,
     on_step: Callable[[], None] | None = None,
     restore: Callable[[], None] | None = None,
+    ranks: Ranks = ONE,
 ) -> tuple[list[dict[str, float]], int]:
     """OPSD: the student minimises `objective(student_logits, teacher_logits, mask)` on its own
     samples, one optimizer step per minibatch, in micro-batches of at most the student's
     `micro_batch_tokens` (a row counts its longer prompt, the teacher's privileged one, plus its
     response); `extra_metrics` adds per-minibatch metrics (the loop's exit mass at first-copy
-    positions)."""
+    positions). Across `ranks`, `schedule` holds global row ids, and `batch`, `ro` and the
+    teacher's inputs are this rank's share of the rows (`Ranks.share`)."""
     metrics: list[dict[str, float]] = []
     skipped = 0
     student.model.train()
+    own = ranks.share(ranks.world * batch.mask.shape[0])
     for rows, lag in schedule:
         rows = rows.to(student.device)
+        rows = rows[(rows >= own.start) & (rows < own.stop)] - own.start
         n_tokens = teacher_mask[rows].sum(1) + ro.response_mask[rows].sum(1)
         n_tokens = torch.maximum(ro.attention_mask[rows].sum(1), n_tokens)
         parts = micro_batches(n_tokens, student.micro_batch_tokens)

@@ -17,10 +17,16 @@ on its own samples.
 
 The run directory holds config.yaml, metrics.jsonl (one JSON line per step), meta.json and
 checkpoints/ (atomic); re-running in the same directory resumes from the latest checkpoint.
+
+    torchrun --nproc_per_node=N -m harness.train ...   # FSDP2 across N ranks (harness.distributed)
+
+Across ranks each rank samples its share of the step's groups; the objective, the metrics and
+the evaluation see the global batch; rank 0 alone writes files and shows the progress bar.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -35,9 +41,17 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from harness import config as _schema  # noqa: F401  (registers the structured-config schema)
+from harness import distributed
 from harness.alpha import minibatch_schedule
 from harness.batch import TokenBatch
-from harness.checkpoint import checkpoint_state, config_contract, resume, roll_back, save_checkpoint
+from harness.checkpoint import (
+    checkpoint_state,
+    config_contract,
+    resume,
+    roll_back,
+    save_checkpoint,
+    save_sharded,
+)
 from harness.diagnostics import bin_means, check_collapse, dials, identity_check
 from harness.engines import Engine
 from harness.io import write_json_atomic, write_text_atomic
@@ -45,7 +59,15 @@ from harness.launch import read_json, run_task, update_meta
 from harness.noise.fp8 import high_precision, shadow_pass
 from harness.objectives.opsd import teacher_inputs
 from harness.repetition import repetition_reports
-from harness.setup import Setup, build_setup, rollout_sampling, step_seed, token_budget, validate
+from harness.setup import (
+    Setup,
+    build_setup,
+    rollout_sampling,
+    step_seed,
+    token_budget,
+    validate,
+    validate_ranks,
+)
 from harness.step import collect, update, update_distill
 from harness.tasks import Task
 
@@ -76,34 +98,51 @@ def mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([d[k] for d in ds if k in d])) for k in sorted(keys)}
 
 
+def gather_batch(batch: TokenBatch) -> TokenBatch:
+    """Every rank's rows of the step's batch, in rank order (the global batch), each field
+    right-padded to the widest rank's tokens."""
+    T = distributed.max_over_ranks(batch.mask.shape[1])
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return TokenBatch(
+        **{k: None if v is None else distributed.gather_rows(v, T) for k, v in fields.items()}
+    )
+
+
 @torch.no_grad()
-def evaluate(engine: Engine, task: Task, problems, cfg: DictConfig) -> float:
+def evaluate(engine: Engine, task: Task, problems, cfg: DictConfig, ranks=distributed.ONE) -> float:
     """Accuracy on the fixed held-out set: one sample per problem at the rollout temperature,
     from the trainer's current weights (clean numerics), seed `eval_seed`; nan when the weights
-    give a non-finite distribution (the next rollout then aborts the run)."""
+    give a non-finite distribution (the next rollout then aborts the run). Across ranks each
+    samples its share of the problems (with the draws of the whole set's rows) and the rewards
+    are summed over the ranks."""
+    mine = ranks.split(len(problems))
     try:
         ro = engine.generate(
-            [p.prompt for p in problems],
+            [p.prompt for p in problems[mine]],
             n=1,
             max_new_tokens=token_budget(cfg, task),
             temperature=cfg.rollout.temperature,
             seed=cfg.eval_seed,
+            batch_rows=(mine.start, len(problems)) if ranks.world > 1 else None,
         )
     except FloatingPointError as e:
         print(f"[train] eval skipped: {e}", flush=True)
         return float("nan")
-    return float(task.rollout_rewards(problems, ro, engine.tokenizer).mean())
+    rewards = task.rollout_rewards(problems[mine], ro, engine.tokenizer)
+    if ranks.world == 1:
+        return float(rewards.mean())
+    return float(distributed.sum_over_ranks(rewards.double().sum())) / len(problems)
 
 
 # --- the loop ----------------------------------------------------------------------------------
 
 
-def step_metrics(step, batch, ro, rewards, reps, updates, skipped, guard, cfg) -> dict:
+def step_metrics(step, batch, rewards, reps, updates, skipped, guard, cfg) -> dict:
     m = {
         "step": step,
         "reward/mean": float(rewards.mean()),
         "reward/acc": float((rewards > 0).double().mean()),
-        "response/len": float(ro.response_mask.sum(1).mean()),
+        "response/len": float(batch.mask.sum(1).mean()),
         "guard/nonfinite_skipped": skipped,
         **rollout_dials(batch),
         **mean_dicts(updates),
@@ -142,28 +181,41 @@ def beta_scale(cfg: DictConfig, step: int) -> float:
 
 def start(cfg: DictConfig) -> tuple[Path, Setup, int, dict]:
     """Validate, write config.yaml, run the step-0 mechanism check, build the setup and resume:
-    (run directory, setup, first step, collapse-guard state)."""
+    (run directory, setup, first step, collapse-guard state). Across ranks, rank 0 writes the
+    files and runs the mechanism check while the others wait."""
+    from harness.models import resolve_device
+    from harness.setup import fsdp
+
     validate(cfg)
+    ranks = distributed.environment()
+    validate_ranks(cfg, ranks.world)
+    distributed.init(ranks, resolve_device(cfg.engine.device), always=fsdp(cfg))
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     changed = config_contract(run_dir, cfg)
-    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    if cfg.mechanism_batches and not (run_dir / "mechanism.json").exists():
+    lead = ranks.rank == 0
+    if lead:
+        write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if lead and cfg.mechanism_batches and not (run_dir / "mechanism.json").exists():
         # the step-0 mechanism check on a setup of its own, before the run's seeds are set:
         # its draws (fresh noise, model init) cannot move the run's (tested)
         from harness import mechanism
 
         write_json_atomic(run_dir / "mechanism.json", mechanism.run(cfg, validated=True))
+    distributed.barrier()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    s = build_setup(cfg)
-    update_meta(run_dir, model=s.identity)
+    s = build_setup(cfg, ranks)
     first, guard = resume(s, run_dir, run_dir / "metrics.jsonl", cfg)
-    if changed:
+    distributed.barrier()
+    if lead:
+        update_meta(run_dir, model=s.identity)
+    if lead and changed:
         history = read_json(run_dir / "meta.json").get("config_overrides", [])
         update_meta(run_dir, config_overrides=[*history, {"from_step": first, "changed": changed}])
     s.sampler.load_weights_from_state(s.history.behaviour())
-    update_meta(run_dir, resumed_from_step=first - 1)
+    if lead:
+        update_meta(run_dir, resumed_from_step=first - 1)
     return run_dir, s, first, guard
 
 
@@ -177,6 +229,9 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
     harder = s.harder_task is not None and step >= cfg.drivers.harder_at
     task = s.harder_task if harder else s.task
     problems = task.sample(cfg.rollout.prompts_per_step, "train", seed)
+    G, n = cfg.rollout.group_size, len(problems)
+    problems = problems[s.ranks.share(n)]  # this rank's groups
+    batch_rows = (s.ranks.share(n).start * G, n * G) if s.ranks.world > 1 else None
     snr = {}
     if getattr(s.objective, "adaptive", False) and step > 1 and (step - 1) % s.objective.every == 0:
         snr = snr_refresh(s, cfg, task, step)
@@ -188,24 +243,28 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
             s.sampler, s.old_policy, [p.prompt for p in problems], reward,
             rollout_sampling(cfg, task), seed=seed, advantage=cfg.advantage,
             logp_old_source=cfg.engine.logp_old_source, mask_replay=cfg.engine.mask_replay,
+            batch_rows=batch_rows,
         )  # fmt: skip
     except FloatingPointError as e:
         raise TrainingAborted(
             f"step {step}: {e}. The weights diverged (finite but huge) after step {step - 1}; "
             f"the checkpoints in {cfg.out}/checkpoints hold earlier steps. Lower optim.lr."
         ) from e
+    local = batch
+    if s.ranks.world > 1:
+        batch, rewards = gather_batch(batch), distributed.gather_rows(rewards)
     schedule = minibatch_schedule(
         len(rewards), cfg.alpha.minibatches, cfg.alpha.staleness, seed=step
     )
-    on_step, restore = (lambda: s.history.push(s.policy.model)), partial(roll_back, s)
+    on_step, restore = (lambda: s.history.push(s.trainer)), partial(roll_back, s)
     reps = repetition_reports(ro.response_ids, ro.response_mask)
     if s.teacher is not None:
         t_ids, t_mask, exit_metrics = teacher_inputs(
             s.policy, problems, cfg.distill.teacher_prompt, cfg.rollout.group_size, reps
         )
         updates, skipped = update_distill(
-            s.policy, s.teacher, s.objective, batch, ro, schedule, s.opt, cfg.optim.grad_clip,
-            t_ids, t_mask, exit_metrics, on_step=on_step, restore=restore,
+            s.policy, s.teacher, s.objective, local, ro, schedule, s.opt, cfg.optim.grad_clip,
+            t_ids, t_mask, exit_metrics, on_step=on_step, restore=restore, ranks=s.ranks,
         )  # fmt: skip
     else:
         calibrate = hasattr(s.objective, "calibrate") and (
@@ -216,10 +275,12 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
             s.policy, s.objective, batch, ro, schedule, s.opt, cfg.optim.grad_clip,
             mask_replay=cfg.engine.mask_replay, logp_old_source=cfg.engine.logp_old_source,
             calibrate=calibrate, on_step=on_step, restore=restore,
-            shadow=shadow if cfg.engine.trainer_fp8 else None,
+            shadow=shadow if cfg.engine.trainer_fp8 else None, ranks=s.ranks,
         )  # fmt: skip
     s.sampler.load_weights_from_state(s.history.behaviour())  # staleness: k steps old
-    m = step_metrics(step, batch, ro, rewards, reps, updates, skipped, guard, cfg) | snr
+    if s.ranks.world > 1:
+        reps = [r for part in distributed.gather_objects(reps) for r in part]
+    m = step_metrics(step, batch, rewards, reps, updates, skipped, guard, cfg) | snr
     if cfg.drivers.beta_growth != 1.0:
         m["drivers/beta_scale"] = beta_scale(cfg, step)
     if s.harder_task is not None:
@@ -231,17 +292,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     run_dir, s, first, guard = start(cfg)
     eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.eval_seed)
     nonfinite_run, last = 0, {}
-    bar = tqdm(range(first, cfg.steps + 1), desc="train", disable=not cfg.progress)
+    lead = s.ranks.rank == 0
+    bar = tqdm(range(first, cfg.steps + 1), desc="train", disable=not (cfg.progress and lead))
     for step in bar:
         t0 = time.time()
         m, all_nonfinite = train_step(s, cfg, step, guard)
         nonfinite_run = nonfinite_run + 1 if all_nonfinite else 0
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps or step == 1):
             with high_precision(s.policy):  # θ itself, not its FP8 forward
-                m["eval/acc"] = evaluate(s.policy, s.task, eval_problems, cfg)
+                m["eval/acc"] = evaluate(s.policy, s.task, eval_problems, cfg, s.ranks)
         m["time/step_s"] = round(time.time() - t0, 3)
-        with (run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(m) + "\n")
+        if lead:
+            with (run_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(m) + "\n")
         last = m
         shown = {"reward": "reward/mean", "entropy": "entropy/mean", "eval": "eval/acc"}
         bar.set_postfix({k: round(m[v], 3) for k, v in shown.items() if v in m})
@@ -250,7 +313,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             nonfinite_run == 0 and (step % cfg.checkpoint_every == 0 or step == cfg.steps)
         ):
             state = checkpoint_state(s, step, guard)
-            save_checkpoint(run_dir, step, state, cfg.keep_checkpoints, aborted=aborting)
+            if s.policy.sharded:
+                save_sharded(run_dir, step, s, state, cfg.keep_checkpoints, aborted=aborting)
+            else:
+                save_checkpoint(run_dir, step, state, cfg.keep_checkpoints, aborted=aborting)
         if aborting:
             raise TrainingAborted(
                 f"{nonfinite_run} consecutive steps with a non-finite loss, gradient or weights "
@@ -259,8 +325,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 "known-good checkpoint. Lower the learning rate (resume=override optim.lr=...) "
                 "or check the objective's bounds."
             )
-    update_meta(run_dir, last_step=cfg.steps)
+    if lead:
+        update_meta(run_dir, last_step=cfg.steps)
     s.sampler.close()
+    distributed.close()
     return last
 
 

@@ -300,7 +300,7 @@ def test_the_eval_set_is_the_same_for_every_training_seed(tmp_path, monkeypatch)
     the run's seed: seed-to-seed differences in eval accuracy are the training's."""
     seen = {}
 
-    def spy(engine, task, problems, cfg):
+    def spy(engine, task, problems, cfg, ranks=None):
         seen.setdefault(cfg.seed, []).append([p.prompt for p in problems])
         return 0.0
 
@@ -447,7 +447,7 @@ def test_checkpoints_hold_only_tensors_and_plain_containers(tmp_path):
         ("mechanism_batches=-1", "mechanism_batches"),
         ("+prereg.seeds=1", "prereg.claim"),
         ("model.spec=smollm3", "model.spec"),
-        ("task=jsonl", "task.path"),
+        ("task=hf", "task.path"),
         ("objective.eps_hgh=0.3", "eps_hgh"),
         ("engine.sampler=vllm", "engine.sampler"),
         ("engine.sampler=ct2 engine.ct2.compute_type=fp8", "engine.ct2.compute_type"),
