@@ -1,0 +1,162 @@
+"""FSDP2 data parallelism on the CPU (gloo): a 2-rank run equals the 1-rank run on the same global
+batch, resumes as it would have run on, survives a killed rank, and refuses what it cannot run.
+
+Each run is a subprocess (`torchrun --nproc_per_node=2`, or one plain process for the reference)
+of a launcher that gives rows alternating rewards 0, 1 within every group (the tiny untrained
+model never answers: without it every advantage is 0 and nothing would train)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from harness import setup
+from tests.test_train import _cfg
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2", "rollout.group_size=4",
+    "rollout.max_new_tokens=6", "eval_n=4", "eval_every=2", "progress=false",
+    "engine.device=cpu", "steps=3", "mechanism_batches=0", "checkpoint_every=1",
+]  # fmt: skip
+LAUNCHER = """
+import torch
+from harness.tasks import Task
+
+def reward(self, problems, ro, tokenizer):
+    return (torch.arange(ro.response_ids.shape[0]) % 2).float()
+
+Task.rollout_rewards = reward
+from harness.train import main
+main()
+"""
+RUNS = {
+    "grpo_logit": ["noise=logit", "++noise.sigma=0.3"],
+    # R3 on the tiny MoE, two minibatches (uneven rows per rank in each) and staleness 1
+    "moe_r3": [
+        "model=tiny-moe",
+        "noise=routing",
+        "engine.routing_replay=true",
+        "alpha.minibatches=2",
+        "alpha.staleness=1",
+    ],  # fmt: skip
+    # OPSD in micro-batches: each rank runs its own number, padded to the most any rank runs
+    "opsd": [
+        "objective=opsd_fkl",
+        "distill.enabled=true",
+        "objective.top_k=null",
+        "engine.micro_batch_tokens=40",
+    ],  # fmt: skip
+}
+
+
+def launch(tmp_path: Path, ranks: int, out: Path, *overrides: str, wait: bool = True):
+    script = tmp_path / "launch.py"
+    script.write_text(LAUNCHER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(script)]
+    if ranks > 1:
+        port = str(29500 + os.getpid() % 2000)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+               f"--master_port={port}", str(script)]  # fmt: skip
+    args = [*cmd, f"out={out}", *TINY, *overrides]
+    p = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if not wait:
+        return p
+    text = p.communicate(timeout=300)[0].decode()
+    assert p.returncode == 0, text[-4000:]
+    return text
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
+    ck = run / "checkpoints" / f"step_{step}"
+    if ck.is_dir():
+        dcp_to_torch_save(ck, tmp_path / "full.pt")
+        return torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    return torch.load(ck.with_suffix(".pt"), weights_only=True)["model"]
+
+
+def assert_same_run(a: Path, b: Path, tmp_path: Path, step: int = 3) -> None:
+    ma, mb = metrics(a), metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, step + 1))
+    for x, y in zip(ma, mb):
+        assert set(x) == set(y)
+        for k in x:
+            if not k.startswith("time/"):
+                assert x[k] == pytest.approx(y[k], abs=1e-5, rel=1e-5, nan_ok=True), (x["step"], k)
+    wa, wb = weights(a, step, tmp_path), weights(b, step, tmp_path)
+    for k, v in wa.items():
+        torch.testing.assert_close(wb[k], v, atol=1e-5, rtol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_two_ranks_equal_one_rank_on_the_same_global_batch(tmp_path, name):
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch(tmp_path, 1, one, *RUNS[name])
+    launch(tmp_path, 2, two, *RUNS[name])
+    assert_same_run(one, two, tmp_path)
+    assert not list(two.glob("checkpoints/.*"))  # no temp folder left behind
+
+
+def test_two_rank_resume_equals_the_uninterrupted_run(tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    launch(tmp_path, 2, full, *RUNS["grpo_logit"])
+    launch(tmp_path, 2, split, *RUNS["grpo_logit"], "steps=2")
+    launch(tmp_path, 2, split, *RUNS["grpo_logit"])
+    assert_same_run(full, split, tmp_path)
+
+
+def test_a_killed_rank_ends_the_job_and_the_rerun_resumes_from_the_last_checkpoint(tmp_path):
+    full, run = tmp_path / "full", tmp_path / "run"
+    over = [*RUNS["grpo_logit"], "steps=4"]
+    launch(tmp_path, 2, full, *over)
+    p = launch(tmp_path, 2, run, *over, wait=False)
+    deadline = time.time() + 240
+    while not (run / "checkpoints" / "step_2").exists():  # kill rank 1 during step 3
+        assert p.poll() is None and time.time() < deadline, p.stdout.read().decode()[-3000:]
+        time.sleep(0.05)
+    rank1 = [c for c in psutil.Process(p.pid).children() if "RANK" in c.environ()]
+    victim = next(c for c in rank1 if c.environ()["RANK"] == "1")
+    os.kill(victim.pid, signal.SIGKILL)
+    text = p.communicate(timeout=120)[0].decode()
+    assert p.returncode != 0
+    assert "rank      : 1" in text and "SIGKILL" in text  # torchrun names the lost rank
+    done = [int(c.name[5:]) for c in (run / "checkpoints").glob("step_*")]
+    assert done and max(done) < 4
+    launch(tmp_path, 2, run, *over)
+    assert_same_run(full, run, tmp_path, step=4)
+
+
+@pytest.mark.parametrize(
+    ("world", "override", "key"),
+    [
+        (2, "rollout.prompts_per_step=3", "rollout.prompts_per_step=3"),
+        (2, "eval_n=1", "eval_n=1"),
+        (2, "engine.fsdp=false", "engine.fsdp=False"),
+        (2, "++noise.deterministic=false", "noise.deterministic=False"),
+    ],
+)
+def test_a_bad_value_for_the_world_size_fails_before_compute(tmp_path, world, override, key):
+    over = ["noise=logit", override] if "noise" in override else [override]
+    cfg = _cfg(tmp_path, *over)
+    with pytest.raises(ValueError, match=f"{key}.*valid"):
+        setup.validate_ranks(cfg, world)
+
+
+def test_fsdp_of_a_model_without_a_decoder_layer_list_names_the_spec():
+    from harness.distributed import shard
+
+    with pytest.raises(ValueError, match="model.spec='my/mlp'.*valid"):
+        shard(torch.nn.Sequential(torch.nn.Linear(2, 2)), "my/mlp", torch.float32)
