@@ -9,8 +9,9 @@
 #
 # Stages: install the .whl/ wheels into /tmp/site; environment (nvidia-smi, torch, CUDA); the
 # gpu-marked tests (tests/test_gpu.py); the device-parametrised tests' cuda ids; the CPU vs CUDA
-# step benchmark; the real-vs-emulated FP8 fidelity; the peak memory of one update (bench_memory);
-# the summary. Every stage runs under its own
+# step benchmark; the real-vs-emulated FP8 fidelity; a 3-step FSDP2 training run at world size 1
+# (torchrun, bf16 compute through FSDP's mixed precision); the peak memory of one update
+# (bench_memory); the summary. Every stage runs under its own
 # timeout inside one overall budget; a failing stage is recorded (rc, seconds) and the next runs.
 # Exit status: 0 when every stage passed and no test failed, else 1.
 set -uo pipefail
@@ -104,32 +105,41 @@ EOF
 # (c) tests: the gpu-marked file, then every other gpu-marked test: the `cuda` ids of the
 # device-parametrised tests (conftest.py marks them gpu) and the gpu tests of other files
 PYTEST=("$PY" -m pytest -v -rfE -p no:cacheprovider --continue-on-collection-errors)
-stage gpu_tests 150 170 "${PYTEST[@]}" -m gpu --junitxml="$OUT/gpu_tests.xml" tests/test_gpu.py
-stage device_tests 100 130 "${PYTEST[@]}" -m "gpu and not slurm and not recipe" \
+stage gpu_tests 150 215 "${PYTEST[@]}" -m gpu --junitxml="$OUT/gpu_tests.xml" tests/test_gpu.py
+stage device_tests 100 175 "${PYTEST[@]}" -m "gpu and not slurm and not recipe" \
   --ignore=tests/test_gpu.py --junitxml="$OUT/device_tests.xml" tests
 
 # (d) the CPU vs CUDA step benchmark, then real FP8 vs emulated FP8
 # shellcheck disable=SC2086  # BENCH_ARGS / FP8_ARGS are word lists
-stage bench 150 75 "$PY" benchmarks/bench_gpu.py --devices "$DEVICES" $BENCH_ARGS \
+stage bench 150 120 "$PY" benchmarks/bench_gpu.py --devices "$DEVICES" $BENCH_ARGS \
   --json "$OUT/bench_gpu.json"
 if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('harness.fp8_fidelity') is None)"
 then
   # shellcheck disable=SC2086
-  stage fp8_fidelity 90 35 "$PY" -m harness.fp8_fidelity --model smollm2-shaped \
+  stage fp8_fidelity 90 80 "$PY" -m harness.fp8_fidelity --model smollm2-shaped \
     --n-layers 4 --sharpen 10 --device "$FP8_DEVICE" --dtype bf16 \
     --out "$OUT/fp8_fidelity" $FP8_ARGS  # 4 layers, logits ×10: tokens in every confidence bin
 else
   record fp8_fidelity missing 0 "harness/fp8_fidelity.py is not in this tree"
 fi
 
-# (e) the peak memory of one policy update (benchmarks/bench_memory.py; SmolLM2-shaped: no GGUF
+# (e) FSDP2 at world size 1: torchrun, the trainer sharded (engine.fsdp=true: a process group of
+# one), bf16 compute with fp32 master weights, a sharded checkpoint; the tiny Llama (no download)
+stage fsdp 45 45 "$PY" -m torch.distributed.run --nproc_per_node=1 --master_port=29561 \
+  -m harness.train out="$WORK/fsdp" hydra.run.dir="$WORK/fsdp" model=tiny-llama \
+  ++task.digits=1 rollout.prompts_per_step=2 rollout.group_size=4 rollout.max_new_tokens=8 \
+  steps=3 eval_n=4 eval_every=3 checkpoint_every=2 mechanism_batches=0 progress=false \
+  engine.fsdp=true engine.device="$FP8_DEVICE" engine.trainer_dtype=bf16 \
+  engine.sampler_dtype=bf16
+
+# (f) the peak memory of one policy update (benchmarks/bench_memory.py; SmolLM2-shaped: no GGUF
 # on the device): rows x tokens with and without micro-batching and activation checkpointing,
 # torch.cuda.max_memory_allocated; its table, growth verdicts and bytes per token go to the log
 # shellcheck disable=SC2086  # MEM_ARGS is a word list
 stage bench_memory 60 5 "$PY" benchmarks/bench_memory.py --device "$MEM_DEVICE" \
   --model smollm2-shaped $MEM_ARGS --out "$OUT/bench_memory_$MEM_DEVICE.json"
 
-# (f) the summary (standard library only), printed; at most 8 files under $OUT
+# (g) the summary (standard library only), printed; at most 8 files under $OUT
 "$PY" scripts/gpu/summarize.py summary --out "$OUT" --stages "$STAGES" --env "$WORK/env.json" \
   --tests gpu_tests,device_tests --logs "$WORK" >"$WORK/summary.out" 2>&1
 src=$?
