@@ -1,4 +1,4 @@
-"""Verifiable tasks with exact {0, 1} rewards: multi-digit arithmetic, countdown, user JSONL.
+"""Verifiable tasks with exact {0, 1} rewards: multi-digit arithmetic, countdown, a user dataset.
 
 Every task draws `Problem`s deterministically from (seed, split). The procedural tasks assign
 each problem to `train` or `eval` by a hash of its canonical key, so the two splits are disjoint
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 from collections import Counter
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -365,91 +367,163 @@ class CountdownTask(ProceduralTask):
         return countdown_reward(problem.info["numbers"], int(problem.answer), response)
 
 
-# --- user JSONL datasets (GSM8K-style) -----------------------------------------------------------
+# --- a researcher's dataset: files or a cached hub id, through HF datasets -----------------------
+
+# field layouts of the usual math RL datasets: (prompt, reference answer, solution) fields; a
+# dotted field reads into a nested column, a list of chat messages gives its last user turn
+LAYOUTS = {
+    "gsm8k": ("question", "answer", "answer"),  # answer: the worked solution, '#### 72' at its end
+    "math": ("problem", "solution", "solution"),  # MATH / MATH-500: the last \boxed{} of solution
+    "dapo": ("prompt", "reward_model.ground_truth", None),  # DAPO-Math-17k (verl's parquet layout)
+}
+FORMATS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".csv": "csv",
+}
+GRADERS = ("math_verify", "last_number")
 
 
-def load_jsonl(
-    path: str | Path, prompt_field: str, answer_field: str, solution_field: str | None
-) -> list[Problem]:
-    """Read problems from JSONL; a malformed line raises ValueError naming file, line and field."""
+def get_field(row: dict, name: str, where: str):
+    """row[name], a dotted name reading into nested columns; chat messages → last user turn."""
+    value: Any = row
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            have = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise ValueError(f"{where}: no field {name!r} (it has {have}); set task.layout or "
+                             "task.prompt_field / answer_field / solution_field")  # fmt: skip
+        value = value[part]
+    if isinstance(value, list) and value and isinstance(value[0], dict) and "content" in value[0]:
+        user = [m["content"] for m in value if m.get("role", "user") == "user"]
+        value = user[-1] if user else value[-1]["content"]
+    return value
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """JSONL rows; a malformed line raises ValueError naming file and line."""
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def read_rows(path: str, split: str) -> tuple[list[dict], list[str]]:
+    """Rows of a dataset and where each came from: a .jsonl file (read here: errors name the
+    line), a .json / .parquet / .arrow / .csv file or a folder of them, a `save_to_disk`
+    folder, or a hub id already in the local HF cache (offline: nothing is downloaded)."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".jsonl":
+        rows = read_jsonl(p)
+        return rows, [f"{p}:{i + 1}" for i in range(len(rows))]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read before datasets is first imported
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    if p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
+        ds = datasets.load_from_disk(str(p))
+        ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+    elif p.exists():
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in FORMATS)
+        kinds = {FORMATS.get(f.suffix) for f in files}
+        if not files or None in kinds or len(kinds) > 1:
+            raise ValueError(f"task.path={path!r}: expected one kind of {', '.join(FORMATS)} "
+                             f"file(s), found {sorted(f.name for f in files)[:5]}")  # fmt: skip
+        ds = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
+    else:
+        try:
+            ds = datasets.load_dataset(path, split=split)
+        except Exception as e:  # noqa: BLE001 — datasets raises many types for "not there"
+            raise ValueError(f"task.path={path!r}: not a file or folder here, and not a dataset "
+                             f"in the local HF cache with a {split!r} split ({type(e).__name__}: "
+                             f"{e}); valid: a jsonl/json/parquet/arrow/csv file or folder, a "
+                             "save_to_disk folder, or a cached hub id") from None  # fmt: skip
+    rows = list(ds)
+    return rows, [f"{path} row {i}" for i in range(len(rows))]
+
+
+def load_problems(path: str, split: str, prompt_field: str, answer_field: str,
+                  solution_field: str | None) -> list[Problem]:  # fmt: skip
+    """Problems with their reference answers; a row without one raises, naming it."""
+    rows, where = read_rows(path, split)
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
-                )
-            needed = [prompt_field, answer_field] + ([solution_field] if solution_field else [])
-            missing = [k for k in needed if k not in row]
-            if missing:
-                raise ValueError(
-                    f"{path}:{lineno}: missing field(s) {missing}; the line has {sorted(row)}"
-                )
-            ref = str(row[answer_field])
-            answer = extract_answer(ref)
-            if answer is None:
-                raise ValueError(
-                    f"{path}:{lineno}: no reference answer in field {answer_field!r} "
-                    r"(expected \boxed{...}, '#### <answer>' or a number)"
-                )
-            solution = str(row[solution_field]) if solution_field else ref
-            problems.append(Problem(str(row[prompt_field]), answer, solution))
+    for row, at in zip(rows, where):
+        ref = str(get_field(row, answer_field, at))
+        answer = extract_answer(ref)
+        if answer is None:
+            raise ValueError(f"{at}: no reference answer in field {answer_field!r} "
+                             r"(expected \boxed{...}, '#### <answer>' or a number)")  # fmt: skip
+        solution = str(get_field(row, solution_field, at)) if solution_field else ref
+        problems.append(Problem(str(get_field(row, prompt_field, at)), answer, solution))
     if not problems:
-        raise ValueError(f"{path}: no problems")
+        raise ValueError(f"task.path={path!r}: no problems")
     return problems
 
 
-class JsonlTask(Task):
-    r"""Problems from JSONL with reference answers. The answer field may hold a whole solution
-    (GSM8K: '... #### 72'): the reference answer is its `\boxed{}`, '####' part or last number.
-    Responses are graded on their last `\boxed{}`, else their last number. Without `eval_path`
-    the eval split is the `eval_frac` of lines whose prompt hashes there."""
+def hash_split(problems: list[Problem], eval_frac: float) -> dict[str, list[Problem]]:
+    """Train / eval by the prompt's hash: the eval split is the round(eval_frac·n) problems
+    (at least one, and one fewer than n) whose prompts hash lowest, so it is never empty for a
+    small file, stable when rows are added or reordered, and disjoint from train."""
+    n = len(problems)
+    if n < 2:
+        raise ValueError(f"task.path: {n} problem; a train and an eval split need >= 2 "
+                         "(or pass task.eval_path)")  # fmt: skip
+    k = min(max(1, round(eval_frac * n)), n - 1)
+    order = sorted(problems, key=lambda p: hashlib.sha256(p.prompt.encode()).hexdigest())
+    return {"eval": order[:k], "train": order[k:]}
 
-    name = "jsonl"
 
-    def __init__(
-        self,
-        path: str,
-        eval_path: str | None = None,
-        prompt_field: str = "question",
-        answer_field: str = "answer",
-        solution_field: str | None = None,
-        eval_frac: float = 0.1,
-        max_new_tokens: int = 256,
-    ):
-        rows = load_jsonl(path, prompt_field, answer_field, solution_field)
+class DatasetTask(Task):
+    r"""A researcher's math dataset (see `read_rows` for what loads). The reference answer is
+    the answer field's `\boxed{}`, '####' part or last number; responses are graded by
+    math-verify (Hugging Face's math answer checker: LaTeX and plain forms, fractions,
+    thousands separators, units) or, with grader=last_number, on their last `\boxed{}` else
+    last number, compared as normalised strings."""
+
+    name = "hf"
+
+    def __init__(self, path: str, eval_path: str | None, split: str, fields: tuple,
+                 eval_frac: float, grader: str, max_new_tokens: int):  # fmt: skip
+        rows = load_problems(path, split, *fields)
         if eval_path is not None:
-            self.splits = {
-                "train": rows,
-                "eval": load_jsonl(eval_path, prompt_field, answer_field, solution_field),
-            }
+            self.splits = {"train": rows, "eval": load_problems(eval_path, split, *fields)}
         else:
-            self.splits = {
-                s: [p for p in rows if key_split(p.prompt, eval_frac) == s] for s in SPLITS
-            }
-        self.max_new_tokens = max_new_tokens
+            self.splits = hash_split(rows, eval_frac)
+        self.grader, self.max_new_tokens = grader, max_new_tokens
 
     def sample(self, n: int, split: str = "train", seed: int = 0) -> list[Problem]:
         """n problems from the split: a seeded permutation, repeated when n exceeds its size."""
         check_split(split)
         pool = self.splits[split]
-        if not pool:
-            raise ValueError(f"jsonl: the {split} split is empty; pass eval_path or more lines")
         rng, out = split_rng(self.name, split, seed), []
         while len(out) < n:
             out += rng.sample(pool, len(pool))
         return out[:n]
 
     def reward(self, problem: Problem, response: str) -> float:
+        if self.grader == "math_verify":
+            return math_verify_reward(problem.answer, response)
         boxed = last_boxed(response)
         got = boxed if boxed is not None else last_number(response)
         return float(got is not None and normalize_answer(got) == normalize_answer(problem.answer))
+
+
+def math_verify_reward(answer: str, response: str) -> float:
+    """1 when math-verify finds the response's final answer equal to the reference (parsed as
+    `\boxed{answer}`), else 0 (also when nothing in the response parses)."""
+    from math_verify import parse, verify
+
+    gold = parse("\\boxed{" + answer + "}")
+    return float(bool(gold) and verify(gold, parse(response)))
 
 
 # --- registry ------------------------------------------------------------------------------------
@@ -474,18 +548,28 @@ def countdown(
     return CountdownTask(n_numbers, max_number, max_target, ops, eval_frac)
 
 
-@register(TASKS, "jsonl")
-def jsonl(
+@register(TASKS, "hf")
+def hf(
     *,
     path: str,
     eval_path: str | None = None,
-    prompt_field: str = "question",
-    answer_field: str = "answer",
+    split: str = "train",
+    layout: str = "gsm8k",
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
     solution_field: str | None = None,
     eval_frac: float = 0.1,
+    grader: str = "math_verify",
     max_new_tokens: int = 256,
-) -> JsonlTask:
-    """User dataset with reference answers (GSM8K-style; last-number or \\boxed{} grading)."""
-    return JsonlTask(
-        path, eval_path, prompt_field, answer_field, solution_field, eval_frac, max_new_tokens
-    )
+) -> DatasetTask:
+    """A math dataset from files or the local HF cache; fields from `layout` (gsm8k, math,
+    dapo) unless named; graded by math-verify (or grader=last_number)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"task.layout={layout!r}; valid: {', '.join(LAYOUTS)}")
+    if grader not in GRADERS:
+        raise ValueError(f"task.grader={grader!r}; valid: {', '.join(GRADERS)}")
+    if not 0 < eval_frac < 1:
+        raise ValueError(f"task.eval_frac={eval_frac}; valid: 0 < eval_frac < 1")
+    named = (prompt_field, answer_field, solution_field)
+    fields = tuple(f if f is not None else d for f, d in zip(named, LAYOUTS[layout]))
+    return DatasetTask(path, eval_path, split, fields, eval_frac, grader, max_new_tokens)

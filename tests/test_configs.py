@@ -35,7 +35,7 @@ GROUPS = {
     "aggregation": set(AGGREGATIONS),
     "model": MODEL_SPECS,
 }
-REQUIRED = {("task", "jsonl"): ["task.path=data.jsonl"]}  # options with a mandatory value
+REQUIRED = {("task", "hf"): ["task.path=data.jsonl"]}  # options with a mandatory value
 
 
 def load(config_name: str, overrides: list[str], tmp: Path):
@@ -82,6 +82,7 @@ def test_every_preset_exists():
         "collapse_drivers",
         "fp8_full_pipeline",
         "surge_pilot",
+        "surge_confirm",
         "opsd_long_pilot",
         "nsr_dose",
         "cis_dose",

@@ -1,4 +1,5 @@
-"""Tasks: determinism, disjoint splits, exact rewards (expected values by hand), JSONL errors."""
+"""Tasks: determinism, disjoint splits, exact rewards (expected values by hand), a user dataset's
+formats, layouts, graders and errors."""
 
 import json
 from fractions import Fraction
@@ -25,7 +26,7 @@ def task(name, **kw):
 
 
 def test_registry_names_and_kwarg_check():
-    assert set(TASKS) == {"arithmetic", "countdown", "jsonl"}
+    assert set(TASKS) == {"arithmetic", "countdown", "hf"}
     with pytest.raises(TypeError, match="digit"):
         task("arithmetic", digit=3)
 
@@ -144,14 +145,11 @@ GSM = [
 ]
 
 
-def test_jsonl_gsm8k_style(tmp_path):
-    t = task("jsonl", path=str(write_jsonl(tmp_path / "d.jsonl", GSM)))
+def test_hf_gsm8k_jsonl_with_the_last_number_grader(tmp_path):
+    t = task("hf", path=str(write_jsonl(tmp_path / "d.jsonl", GSM)), grader="last_number")
     train, held = t.splits["train"], t.splits["eval"]
-    assert (
-        len(train) + len(held) == 40
-        and held
-        and not {p.prompt for p in train} & {p.prompt for p in held}
-    )
+    assert len(train) == 36 and len(held) == 4  # round(0.1 · 40) by prompt hash
+    assert not {p.prompt for p in train} & {p.prompt for p in held}
     p = next(q for q in train + held if q.prompt.startswith("Q1000:"))
     assert p.answer == "2000" and p.solution == "1000+1000 = 2000\n#### 2,000"
     assert t.reward(p, "The answer is 2,000.") == 1.0
@@ -163,28 +161,87 @@ def test_jsonl_gsm8k_style(tmp_path):
     assert len(t.sample(100, "eval", seed=0)) == 100  # cycles through a small split
 
 
-def test_jsonl_fields_boxed_and_eval_path(tmp_path):
-    rows = [{"problem": "half?", "sol": r"so \boxed{\frac{1}{2}}"}]
-    a = write_jsonl(tmp_path / "a.jsonl", rows)
-    t = task("jsonl", path=str(a), eval_path=str(a), prompt_field="problem", answer_field="sol")
-    p = t.sample(1, "eval")[0]
-    assert p.answer == r"\frac{1}{2}"
-    assert t.reward(p, r"\boxed{\frac{1}{2}}") == 1.0 and t.reward(p, "0.5") == 0.0
+def test_a_small_file_still_splits_and_the_split_ignores_row_order(tmp_path):
+    a = task("hf", path=str(write_jsonl(tmp_path / "a.jsonl", GSM[:3])))
+    b = task("hf", path=str(write_jsonl(tmp_path / "b.jsonl", GSM[:3][::-1])))
+    assert (len(a.splits["train"]), len(a.splits["eval"])) == (2, 1)  # never an empty eval split
+    assert a.splits == b.splits
+    with pytest.raises(ValueError, match=r"1 problem; a train and an eval split need >= 2"):
+        task("hf", path=str(write_jsonl(tmp_path / "c.jsonl", GSM[:1])))
+
+
+MATH_VERIFY_CASES = [  # (reference answer field, response, reward) worked by hand
+    (r"so \boxed{\frac{1}{2}}", "The answer is 0.5", 1.0),  # LaTeX fraction vs decimal
+    (r"\boxed{0.5}", r"we get \boxed{\frac{1}{2}}", 1.0),
+    ("#### 1000", "1,000", 1.0),  # thousands separator
+    (r"\boxed{12}", r"\boxed{12\text{ cm}}", 1.0),  # a unit in the response
+    (r"\boxed{2\sqrt{2}}", r"$\sqrt{8}$", 1.0),  # LaTeX vs LaTeX, equal values
+    (r"\boxed{\frac{1}{2}}", r"\boxed{\frac{1}{3}}", 0.0),  # wrong
+    (r"\boxed{7}", "I do not know", 0.0),  # nothing parses
+]
+
+
+@pytest.mark.parametrize("ref, response, reward", MATH_VERIFY_CASES)
+def test_math_verify_grades_equal_values_in_other_forms(tmp_path, ref, response, reward):
+    rows = [{"question": "q", "answer": ref}, {"question": "r", "answer": "#### 1"}]
+    t = task("hf", path=str(write_jsonl(tmp_path / "d.jsonl", rows)), eval_frac=0.5)
+    p = next(q for q in t.splits["train"] + t.splits["eval"] if q.prompt == "q")
+    assert t.reward(p, response) == reward
+
+
+def test_hf_parquet_math_layout_and_eval_path(tmp_path):
+    pd = pytest.importorskip("pandas")
+    rows = [{"problem": f"p{i}", "solution": rf"so \boxed{{\frac{{{i}}}{{2}}}}"} for i in range(5)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    pd.DataFrame(rows[:2]).to_parquet(tmp_path / "test.parquet")
+    t = task("hf", path=str(tmp_path / "train.parquet"), eval_path=str(tmp_path / "test.parquet"),
+             layout="math")  # fmt: skip
+    assert len(t.splits["train"]) == 5 and [p.prompt for p in t.splits["eval"]] == ["p0", "p1"]
+    p = t.splits["eval"][1]
+    assert p.answer == r"\frac{1}{2}" and t.reward(p, "0.5") == 1.0
+
+
+def test_hf_dapo_layout_from_a_save_to_disk_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": [{"role": "system", "content": "be brief"},
+                        {"role": "user", "content": f"What is {i} + {i}?"}],
+             "reward_model": {"ground_truth": str(2 * i), "style": "rule"}}
+            for i in range(4)]  # fmt: skip
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "dapo"))
+    t = task("hf", path=str(tmp_path / "dapo"), layout="dapo", eval_frac=0.25)
+    p = next(q for q in t.splits["train"] + t.splits["eval"] if q.prompt == "What is 3 + 3?")
+    assert p.answer == "6" and t.reward(p, r"\boxed{6}") == 1.0 and t.reward(p, "5") == 0.0
 
 
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ('{"question": "q"}', r"d\.jsonl:2: missing field\(s\) \['answer'\]; the line has"),
+        ('{"question": "q"}', r"d\.jsonl:2: no field 'answer' \(it has \['question'\]\)"),
         ("{not json", r"d\.jsonl:2: not valid JSON"),
         ("[1, 2]", r"d\.jsonl:2: expected a JSON object, got list"),
         ('{"question": "q", "answer": "none"}', r"d\.jsonl:2: no reference answer in field"),
     ],
 )
-def test_jsonl_malformed_line_names_file_line_and_field(tmp_path, bad, message):
+def test_a_malformed_row_names_file_line_and_field(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "d.jsonl", [GSM[0], bad, GSM[1]])
     with pytest.raises(ValueError, match=message):
-        task("jsonl", path=str(path))
+        task("hf", path=str(path))
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"path": "no/such/dataset"}, r"task.path='no/such/dataset': not a file or folder here, "
+                                      "and not a dataset in the local HF cache"),
+        ({"layout": "gsm9k"}, r"task.layout='gsm9k'; valid: gsm8k, math, dapo"),
+        ({"grader": "exact"}, r"task.grader='exact'; valid: math_verify, last_number"),
+        ({"eval_frac": 1.0}, r"task.eval_frac=1.0; valid: 0 < eval_frac < 1"),
+    ],
+)  # fmt: skip
+def test_bad_dataset_settings_name_key_value_and_what_is_valid(tmp_path, kw, message):
+    kw = {"path": str(write_jsonl(tmp_path / "d.jsonl", GSM[:4])), **kw}
+    with pytest.raises(ValueError, match=message):
+        task("hf", **kw)
 
 
 def test_rollout_rewards_match_rows_to_their_prompts_and_drop_masked_text():
