@@ -73,6 +73,7 @@ def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, d
     from harness.warmstart import load_task_model, model_identity
 
     task_name, task_kw, recipe = task_spec(cfg)
+    task = build(TASKS, task_name, "task", **task_kw)  # a bad dataset fails before a model loads
     if recipe is not None:
         warm = OmegaConf.to_container(cfg.model.warmstart, resolve=True)
         model, tok = load_task_model(task_name, progress=cfg.progress, **warm)
@@ -80,7 +81,6 @@ def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, d
         model, tok = load_model(cfg.model.spec, dtype="fp32", seed=cfg.seed)
     if cfg.model.upcycle:
         model = upcycle_to_moe(model, **OmegaConf.to_container(cfg.model.upcycle, resolve=True))
-    task = build(TASKS, task_name, "task", **task_kw)
     # weights are built (and warm-started) on the CPU, then placed: every copy (sampler, π_old,
     # teacher) is a deepcopy of this model, so all three policies share its device
     dtype = "fp32" if fsdp(cfg) else cfg.engine.trainer_dtype

@@ -475,6 +475,17 @@ def test_every_check_runs_before_any_model_is_built(tmp_path, monkeypatch, overr
     assert key in str(e.value) and time.time() - t0 < 5
 
 
+def test_a_dataset_that_is_not_there_fails_before_the_model_loads(tmp_path, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the dataset was read")
+
+    monkeypatch.setattr(setup, "load_model", no_load)
+    cfg = _cfg(tmp_path, "model=smollm2-135m", "task=hf", f"task.path={tmp_path}/nope.jsonl")
+    del cfg.task.digits  # TINY's arithmetic kwarg
+    with pytest.raises(ValueError, match=r"task.path='.*nope.jsonl': not a file or folder here"):
+        setup.build_task_and_model(cfg)
+
+
 def test_nonfinite_weights_roll_back_and_abort_with_a_finite_checkpoint(
     tmp_path, alternating_reward
 ):
