@@ -162,7 +162,11 @@ class TrainConfig:
     arms: dict[str, Any] = field(default_factory=dict)
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
-    progress: bool = True
+    progress: bool = True  # the tqdm bar, where stderr is a terminal
+    # beside metrics.jsonl (always written): none | wandb (offline by default) | tensorboard
+    logger: str = "none"
+    # a plain line every this many steps when no bar is shown (progress=false, a Slurm log); 0: none
+    log_every: int = 10
     # staleness 0, one minibatch: reuse the training pass as π_old instead of a separate
     # recompute (identical values; one forward fewer per step). False forces the recompute.
     reuse_old_logp: bool = True

@@ -37,6 +37,7 @@ from harness.registry import build
 from harness.samplers import ENGINES, check_sampler
 from harness.step import ADVANTAGES, Sampling, adamw
 from harness.tasks import TASKS, Task
+from harness.tracking import LOGGERS
 
 
 def noise_nodes(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -123,6 +124,7 @@ def validate(cfg: DictConfig) -> None:
         ("engine.sampler_dtype", cfg.engine.sampler_dtype, tuple(DTYPES)),
         ("engine.trainer_dtype", cfg.engine.trainer_dtype, tuple(DTYPES)),
         ("resume", cfg.resume, ("strict", "override")),
+        ("logger", cfg.logger, LOGGERS),
     ]:
         if value not in valid:
             raise bad(key, value, ", ".join(map(repr, valid)))
@@ -132,6 +134,7 @@ def validate(cfg: DictConfig) -> None:
         ("rollout.max_new_tokens", r.max_new_tokens,
          r.max_new_tokens is None or r.max_new_tokens >= 1, ">= 1, or null for the task's own"),
         ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
+        ("log_every", cfg.log_every, cfg.log_every >= 0, ">= 0 (0: no plain lines)"),
         ("rollout.group_size", r.group_size, r.group_size >= 2,
          ">= 2 (group-normalised advantages of a single response are 0: nothing would train)"),
         ("alpha.staleness", a.staleness, a.staleness >= 0, ">= 0"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -70,6 +71,7 @@ from harness.setup import (
 )
 from harness.step import collect, update, update_distill
 from harness.tasks import Task
+from harness.tracking import Tracker, plain_line
 
 
 class TrainingAborted(RuntimeError):
@@ -291,9 +293,39 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
 def run(cfg: DictConfig) -> dict[str, Any]:
     run_dir, s, first, guard = start(cfg)
     eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.eval_seed)
-    nonfinite_run, last = 0, {}
-    lead = s.ranks.rank == 0
-    bar = tqdm(range(first, cfg.steps + 1), desc="train", disable=not (cfg.progress and lead))
+    t_start, lead = time.time(), s.ranks.rank == 0
+    shown = cfg.progress and lead and sys.stderr.isatty()  # a bar only where a person watches
+    lines = lead and not shown and cfg.log_every > 0
+    bar = tqdm(range(first, cfg.steps + 1), desc="train", disable=not shown)
+    tracker = None
+    if lead and cfg.logger != "none":
+        container = OmegaConf.to_container(cfg, resolve=True)
+        tracker = Tracker(cfg.logger, run_dir, container, project=f"ratiolab-{cfg.name}")
+    try:
+        last = train_loop(cfg, s, run_dir, bar, first, guard, eval_problems, tracker, lines)
+    finally:
+        if tracker is not None:
+            tracker.close()
+    if lead:
+        update_meta(run_dir, last_step=cfg.steps)
+        print(end_line(run_dir, last, cfg.steps, first, time.time() - t_start), flush=True)
+    s.sampler.close()
+    distributed.close()
+    return last
+
+
+def end_line(run_dir: Path, last: dict, steps: int, first: int, wall_s: float) -> str:
+    """The run's last words in a log: where it is, how far it got, its last numbers."""
+    if not last:  # resumed at its end: nothing ran
+        return f"[train] {run_dir}: already at step {steps}; nothing to run"
+    done = last["step"] - first + 1
+    return (f"[train] done {run_dir}: step {last['step']}/{steps} ({done} steps in "
+            f"{wall_s:.0f} s); last step: {plain_line(last, steps)}")  # fmt: skip
+
+
+def train_loop(cfg, s, run_dir, bar, first, guard, eval_problems, tracker, lines) -> dict:
+    """Steps `first`..`cfg.steps`: train, evaluate, write metrics (rank 0), checkpoint."""
+    nonfinite_run, last, lead = 0, {}, s.ranks.rank == 0
     for step in bar:
         t0 = time.time()
         m, all_nonfinite = train_step(s, cfg, step, guard)
@@ -305,6 +337,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if lead:
             with (run_dir / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(m) + "\n")
+            if tracker is not None:
+                tracker.log(m)
+            if lines and step % cfg.log_every == 0:
+                print(plain_line(m, cfg.steps), flush=True)
         last = m
         shown = {"reward": "reward/mean", "entropy": "entropy/mean", "eval": "eval/acc"}
         bar.set_postfix({k: round(m[v], 3) for k, v in shown.items() if v in m})
@@ -325,10 +361,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 "known-good checkpoint. Lower the learning rate (resume=override optim.lr=...) "
                 "or check the objective's bounds."
             )
-    if lead:
-        update_meta(run_dir, last_step=cfg.steps)
-    s.sampler.close()
-    distributed.close()
     return last
 
 

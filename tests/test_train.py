@@ -448,6 +448,8 @@ def test_checkpoints_hold_only_tensors_and_plain_containers(tmp_path):
         ("+prereg.seeds=1", "prereg.claim"),
         ("model.spec=smollm3", "model.spec"),
         ("task=hf", "task.path"),
+        ("logger=mlflow", "logger"),
+        ("log_every=-1", "log_every"),
         ("objective.eps_hgh=0.3", "eps_hgh"),
         ("engine.sampler=vllm", "engine.sampler"),
         ("engine.sampler=ct2 engine.ct2.compute_type=fp8", "engine.ct2.compute_type"),
@@ -600,19 +602,25 @@ def test_a_damaged_latest_checkpoint_falls_back_and_a_torn_metrics_line_is_dropp
 
 
 @pytest.mark.slow
-def test_cli_run_shows_reward_and_entropy_and_writes_no_empty_log(tmp_path):
-    """`python -m harness.train` as a user runs it: the progress bar names reward and entropy
-    (it showed the entropy as `mean=` and never the reward), and no empty train.log appears."""
+def test_cli_run_in_a_log_prints_plain_lines_and_an_end_line_and_writes_no_empty_log(tmp_path):
+    """`python -m harness.train` as a Slurm job runs it (stdout and stderr not terminals): no
+    progress bar, a plain line per `log_every` steps naming reward and entropy, one end line
+    naming the run folder; no empty train.log appears."""
     import subprocess
     import sys
 
     root = CONFIG_DIR.rsplit("/experiments", 1)[0]
-    args = [a for a in TINY if not a.startswith("progress")] + ["steps=2", f"out={tmp_path}"]
+    args = [a for a in TINY if not a.startswith("progress")]
+    args += ["steps=2", "log_every=1", f"out={tmp_path}"]
     r = subprocess.run(
         [sys.executable, "-m", "harness.train", *args], cwd=root, capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "reward=" in r.stderr and "entropy=" in r.stderr and "mean=" not in r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("step ", "[train] done"))]
+    assert [ln.split()[1] for ln in lines[:2]] == ["1/2", "2/2"], r.stdout
+    assert all("reward " in ln and "entropy " in ln for ln in lines)
+    assert lines[2].startswith(f"[train] done {tmp_path}: step 2/2 (2 steps in ")
+    assert "\r" not in r.stderr and "it/s" not in r.stderr  # no bar in a log
     assert not list(tmp_path.rglob("*.log"))
 
 
