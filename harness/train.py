@@ -323,9 +323,24 @@ def end_line(run_dir: Path, last: dict, steps: int, first: int, wall_s: float) -
             f"{wall_s:.0f} s); last step: {plain_line(last, steps)}")  # fmt: skip
 
 
+SIGNAL_STEPS = 5  # a fresh run's first steps, read for a learning signal
+
+
+def no_signal(rewards: list[float]) -> str | None:
+    """Why the first steps trained nothing, or None: {0, 1} rewards whose step means are all 0
+    (or all 1) leave every group's advantages 0, so the policy gradient is 0."""
+    if len(rewards) < SIGNAL_STEPS or len(set(rewards)) > 1 or rewards[0] not in (0.0, 1.0):
+        return None
+    every = "wrong" if rewards[0] == 0 else "right"
+    return (f"WARNING no learning signal: the mean reward of steps 1–{len(rewards)} is "
+            f"{rewards[0]:g} in every step (every response {every}): group-normalised "
+            "advantages are 0 and nothing trains. Check the task's grading against a few "
+            "responses, or start from a model that solves some problems.")  # fmt: skip
+
+
 def train_loop(cfg, s, run_dir, bar, first, guard, eval_problems, tracker, lines) -> dict:
     """Steps `first`..`cfg.steps`: train, evaluate, write metrics (rank 0), checkpoint."""
-    nonfinite_run, last, lead = 0, {}, s.ranks.rank == 0
+    nonfinite_run, last, lead, rewards = 0, {}, s.ranks.rank == 0, []
     for step in bar:
         t0 = time.time()
         m, all_nonfinite = train_step(s, cfg, step, guard)
@@ -341,6 +356,10 @@ def train_loop(cfg, s, run_dir, bar, first, guard, eval_problems, tracker, lines
                 tracker.log(m)
             if lines and step % cfg.log_every == 0:
                 print(plain_line(m, cfg.steps), flush=True)
+            if first == 1 and step <= SIGNAL_STEPS:
+                rewards.append(m["reward/mean"])
+                if (warning := no_signal(rewards)) is not None:
+                    print(warning, file=sys.stderr, flush=True)
         last = m
         shown = {"reward": "reward/mean", "entropy": "entropy/mean", "eval": "eval/acc"}
         bar.set_postfix({k: round(m[v], 3) for k, v in shown.items() if v in m})

@@ -29,7 +29,6 @@ import os
 import platform
 import random
 import shutil
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,7 +39,7 @@ from tqdm.auto import trange
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from harness.engines import Engine
-from harness.io import write_json_atomic
+from harness.io import make_temp_dir, write_json_atomic
 from harness.models import cache_dir, char_tokenizer, weights_sha
 from harness.registry import build
 from harness.tasks import TASKS, Problem, Task, teacher_prompt
@@ -235,7 +234,7 @@ def train_task_model(
 def save_atomic(model: PreTrainedModel, tok, cfg: dict, dest: Path) -> Path:
     """Write model, tokenizer and recipe.json to a temp dir beside `dest`, then rename it."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
+    tmp = make_temp_dir(dest.name + ".tmp-", dest.parent)
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)

@@ -158,7 +158,9 @@ def test_hf_gsm8k_jsonl_with_the_last_number_grader(tmp_path):
     assert t.reward(p, r"\boxed{1999} so 2000") == 0.0
     assert t.reward(p, "no number") == 0.0
     assert t.sample(10, "train", seed=1) == t.sample(10, "train", seed=1)
-    assert len(t.sample(100, "eval", seed=0)) == 100  # cycles through a small split
+    assert len(t.sample(100, "train", seed=0)) == 100  # cycles through a small split
+    with pytest.warns(UserWarning, match=r"eval_n=100 exceeds the eval split \(4 problems\)"):
+        assert sorted(t.sample(100, "eval", seed=0), key=str) == sorted(held, key=str)
 
 
 def test_a_small_file_still_splits_and_the_split_ignores_row_order(tmp_path):

@@ -808,3 +808,22 @@ def test_master_adamw_takes_frozen_parameters_as_adamw_does():
     before = lin.weight.detach().clone()
     opt.step()
     assert not torch.equal(before, lin.weight)
+
+
+def test_no_signal_warns_only_when_every_step_is_all_wrong_or_all_right():
+    assert train.no_signal([0.0] * train.SIGNAL_STEPS).startswith(
+        "WARNING no learning signal: the mean reward of steps 1–5 is 0 in every step (every "
+        "response wrong)"
+    )
+    assert "every response right" in train.no_signal([1.0] * 5)
+    assert train.no_signal([0.0] * 4) is None  # too early to say
+    assert train.no_signal([0.0, 0.0, 0.125, 0.0, 0.0]) is None  # one step had a signal
+    assert train.no_signal([0.5] * 5) is None  # mixed groups: advantages are not 0
+
+
+def test_a_run_that_never_rewards_says_so(tmp_path, capsys):
+    """The untrained tiny model never answers 1-digit arithmetic: steps 1–5 all 0."""
+    train.run(_cfg(tmp_path, "steps=5", "eval_every=0"))
+    rows = _metrics(tmp_path)
+    assert [r["reward/mean"] for r in rows] == [0.0] * 5  # the premise
+    assert "WARNING no learning signal" in capsys.readouterr().err
