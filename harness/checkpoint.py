@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import distributed
 from harness.diagnostics import collapse_guard
-from harness.io import write_text_atomic
+from harness.io import RefusedRerun, write_text_atomic
 
 if TYPE_CHECKING:
     from harness.setup import Setup
@@ -287,7 +287,7 @@ def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
     }
     if changed and cfg.resume != "override":
         listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
-        raise ValueError(
+        raise RefusedRerun(
             f"{run_dir} holds a run with a different config ({listing}). Resuming would mix "
             "two configs. Rerun with resume=override to apply the new values to the restored "
             "run (recorded in meta.json), or use a new out= directory."

@@ -182,14 +182,18 @@ RUN_NAME_MAX = 80  # characters of an override-derived directory name before it 
 def run_name(override_dirname: str) -> str:
     """A run directory's name from Hydra's override_dirname: as is when short, else a readable
     prefix and 10 hex digits of its sha256 (long override lists overflowed the 255-byte name
-    limit). A "/" in a value (model.spec=Qwen/Qwen2.5-0.5B-Instruct, task.path=/data/x.jsonl)
+    limit), the seed kept whole at its end. A "/" in a value (model.spec=Qwen/Qwen2.5-0.5B-Instruct, task.path=/data/x.jsonl)
     becomes "_", so a run is one folder, not a tree. Used as
     `${run_name:${hydra.job.override_dirname}}` in the job configs."""
     override_dirname = override_dirname.replace("/", "_")
     if len(override_dirname) <= RUN_NAME_MAX:
         return override_dirname
     digest = hashlib.sha256(override_dirname.encode()).hexdigest()[:10]
-    return f"{override_dirname[: RUN_NAME_MAX - 11]}-{digest}"
+    items = override_dirname.split(",")
+    seed = [i for i in items if i.startswith("seed=")]  # kept whole: runs are paired by it
+    tail = f",{seed[0]}-{digest}" if seed else f"-{digest}"
+    rest = ",".join(i for i in items if not i.startswith("seed="))
+    return rest[: RUN_NAME_MAX - len(tail)] + tail
 
 
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)

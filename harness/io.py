@@ -10,6 +10,11 @@ from pathlib import Path
 from typing import Any
 
 
+class RefusedRerun(ValueError):
+    """A rerun refused before any compute (its config differs from the run folder's): the
+    folder's record (meta.json) stays as the finished run left it."""
+
+
 def umask_mode(directory: bool = False) -> int:
     """The mode a plain open() or mkdir() would give under this process's umask (0644 / 0755 by
     default): temp files and folders are created 0600 / 0700, and a result renamed from one

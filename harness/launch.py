@@ -28,6 +28,7 @@ import importlib.metadata
 import inspect
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,7 +42,7 @@ from typing import Any, TypeVar
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness.io import write_json_atomic
+from harness.io import RefusedRerun, write_json_atomic, write_text_atomic
 from harness.registry import check_kwargs, lookup
 
 T = TypeVar("T")
@@ -229,6 +230,22 @@ def run_dir(cfg: DictConfig) -> Path:
     return Path(str(out)).absolute()
 
 
+def adopt_hydra_record(run: Path) -> None:
+    """With out=<dir>, Hydra still makes its own output folder for the job's record (.hydra):
+    move the record into the run folder and leave no .hydra-only folder behind."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir).absolute()
+    if hydra_dir == run or not (hydra_dir / ".hydra").is_dir():
+        return
+    shutil.copytree(hydra_dir / ".hydra", run / ".hydra", dirs_exist_ok=True)
+    shutil.rmtree(hydra_dir / ".hydra")
+    if not any(hydra_dir.iterdir()):
+        hydra_dir.rmdir()
+
+
 def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     """Run `fn(cfg)` as one recorded task in its run directory (see the module docstring).
     Sets `cfg.out` to the absolute run directory before calling `fn`."""
@@ -236,6 +253,7 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     run.mkdir(parents=True, exist_ok=True)
     if "out" in cfg:
         cfg.out = str(run)
+    adopt_hydra_record(run)
     from harness.distributed import environment
 
     if environment().rank != 0:  # rank 0 keeps the run's record
@@ -248,6 +266,7 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
         "slurm": slurm_ids(),
         "threads": _threads(),  # intra-op threads this run computed with
     }
+    before = (run / "meta.json").read_text() if (run / "meta.json").exists() else None
     previous = read_json(run / "meta.json").get("attempts", [])
     if previous and "status" not in previous[-1]:  # it never finished: killed (SIGKILL, OOM)
         previous[-1] = {**previous[-1], "status": "lost", "end_time": None}
@@ -271,6 +290,12 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     try:
         check_nodes(cfg)
         result = fn(cfg)
+    except RefusedRerun:  # nothing ran: the folder's record stays the finished run's
+        if before is None:
+            (run / "meta.json").unlink(missing_ok=True)
+        else:
+            write_text_atomic(run / "meta.json", before)
+        raise
     except Exception as e:
         tb = traceback.format_exc()
         (run / "traceback.txt").write_text(tb)

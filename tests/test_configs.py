@@ -269,6 +269,9 @@ def test_run_names_are_hashed_when_long_and_never_hold_out_or_progress(tmp_path)
     name = run_name(long)
     assert len(name) == RUN_NAME_MAX and name.startswith(long[:40]) and name == run_name(long)
     assert run_name(long + "0") != name
+    seeded = run_name(f"noise.sigma=1.5,objective.lo=0.5,optim.lr=0.0004,{long},seed=1207")
+    assert len(seeded) == RUN_NAME_MAX and seeded.startswith("noise.sigma=1.5,objective.lo=0.5")
+    assert seeded[:-11].endswith(",seed=1207")  # the seed whole, before the hash of the rest
     overrides = [f"+task.k{i}={i}" for i in range(30)] + ["out=/tmp/x", "progress=false"]
     with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)

@@ -527,6 +527,19 @@ def test_rerun_with_a_different_config_fails_before_compute_and_lists_the_keys(t
     train.run(_cfg(tmp_path, "steps=3", "optim.lr=1e-3"))  # steps may change: extend the run
 
 
+def test_a_refused_rerun_leaves_the_finished_runs_record_as_it_was(tmp_path):
+    from harness.io import RefusedRerun
+    from harness.launch import run_task
+
+    run_task(train.run, _cfg(tmp_path, "steps=2", "optim.lr=1e-3"))
+    meta = (tmp_path / "meta.json").read_text()
+    assert json.loads(meta)["status"] == "completed"
+    with pytest.raises(RefusedRerun, match="optim.lr"):
+        run_task(train.run, _cfg(tmp_path, "steps=2", "optim.lr=1e-4"))
+    assert (tmp_path / "meta.json").read_text() == meta
+    assert not (tmp_path / "traceback.txt").exists()
+
+
 def test_a_run_written_before_a_new_default_resumes_under_it(tmp_path):
     """A run folder whose config.yaml predates a schema field (written without it) or restated a
     builder default the group file no longer holds resumes strictly: missing keys read as the
@@ -622,6 +635,30 @@ def test_cli_run_in_a_log_prints_plain_lines_and_an_end_line_and_writes_no_empty
     assert lines[2].startswith(f"[train] done {tmp_path}: step 2/2 (2 steps in ")
     assert "\r" not in r.stderr and "it/s" not in r.stderr  # no bar in a log
     assert not list(tmp_path.rglob("*.log"))
+
+
+@pytest.mark.slow
+def test_raising_steps_extends_the_run_in_its_folder_and_out_leaves_no_hydra_only_folder(tmp_path):
+    """`steps` is not part of a run's folder name: a rerun with more steps resumes the finished
+    run; with out=<dir> the job's Hydra record moves into <dir>."""
+    import subprocess
+    import sys
+
+    root = CONFIG_DIR.rsplit("/experiments", 1)[0]
+    # the default folder pattern, rooted in tmp_path
+    where = f"hydra.run.dir='{tmp_path}/results/${{run_name:${{hydra.job.override_dirname}}}}'"
+    for steps in (2, 3):
+        r = subprocess.run([sys.executable, "-m", "harness.train", *TINY, where, f"steps={steps}"],
+                           cwd=root, capture_output=True, text=True)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = (tmp_path / "results").iterdir()
+    assert "steps" not in run.name and [m["step"] for m in _metrics(run)] == [1, 2, 3]
+    hydra_dir, out = tmp_path / "hydra-output", tmp_path / "elsewhere"
+    args = [*TINY, "steps=1", f"out={out}", f"hydra.run.dir={hydra_dir}"]
+    r = subprocess.run([sys.executable, "-m", "harness.train", *args], cwd=root,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / ".hydra" / "overrides.yaml").exists() and not hydra_dir.exists()
 
 
 def test_mechanism_check_by_hand():
