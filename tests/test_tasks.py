@@ -281,3 +281,23 @@ def test_rollout_rewards_match_rows_to_their_prompts_and_drop_masked_text():
     )
     assert p0.answer != p1.answer
     assert t.rollout_rewards([p0, p1], ro, tok).tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+CHAT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"  # noqa: E501
+
+
+def test_prompts_go_into_the_tokenizers_chat_template_when_it_has_one(tmp_path):
+    from harness.models import char_tokenizer
+
+    path = str(write_jsonl(tmp_path / "d.jsonl", GSM[:4]))
+    tok = char_tokenizer()
+    raw = task("hf", path=path)
+    raw.attach_tokenizer(tok)  # a base model's tokenizer: no template, raw text
+    assert raw.sample(1, "train")[0].prompt.startswith("Q")
+    tok.chat_template = CHAT
+    chat, off = task("hf", path=path), task("hf", path=path, chat_template=False)
+    chat.attach_tokenizer(tok)
+    off.attach_tokenizer(tok)
+    (p,), (q,) = chat.sample(1, "train"), off.sample(1, "train")
+    assert p.prompt == f"<user>{q.prompt}<assistant>" and p.answer == q.answer
+    assert chat.reward(p, "so 2,000") == chat.reward(q, "so 2,000")
