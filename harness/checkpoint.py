@@ -269,7 +269,7 @@ def resume(s: Setup, run_dir: Path, metrics_path: Path, cfg: DictConfig) -> tupl
 
 
 # may change between attempts: the length, the display, the folder, the resume rule, the arm labels
-RESUME_FREE = {"steps", "progress", "out", "resume", "arms", "logger", "log_every"}
+RESUME_FREE = {"steps", "progress", "out", "resume", "arms", "logger", "log_every", "save_final"}
 
 
 def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:

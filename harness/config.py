@@ -162,6 +162,10 @@ class TrainConfig:
     arms: dict[str, Any] = field(default_factory=dict)
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
+    # at the end, the trained policy as a plain HF folder <run>/final (safetensors + tokenizer,
+    # `model.spec=<run>/final` or any HF tool): off by default, a sweep of SmolLM2 runs would
+    # keep 0.5 GB each
+    save_final: bool = False
     progress: bool = True  # the tqdm bar, where stderr is a terminal
     # beside metrics.jsonl (always written): none | wandb (offline by default) | tensorboard
     logger: str = "none"
@@ -182,8 +186,8 @@ RUN_NAME_MAX = 80  # characters of an override-derived directory name before it 
 def run_name(override_dirname: str) -> str:
     """A run directory's name from Hydra's override_dirname: as is when short, else a readable
     prefix and 10 hex digits of its sha256 (long override lists overflowed the 255-byte name
-    limit), the seed kept whole at its end. A "/" in a value (model.spec=Qwen/Qwen2.5-0.5B-Instruct, task.path=/data/x.jsonl)
-    becomes "_", so a run is one folder, not a tree. Used as
+    limit), the seed kept whole at its end. A "/" in a value (model.spec=Qwen/Qwen2.5-0.5B,
+    task.path=/data/x.jsonl) becomes "_", so a run is one folder, not a tree. Used as
     `${run_name:${hydra.job.override_dirname}}` in the job configs."""
     override_dirname = override_dirname.replace("/", "_")
     if len(override_dirname) <= RUN_NAME_MAX:

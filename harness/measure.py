@@ -250,7 +250,11 @@ def noise_label(nodes: list[dict]) -> str:
     parts = []
     for n in nodes:
         sig = inspect.signature(NOISE[n["name"]]).parameters
-        if "sigma" in sig and "sigma" not in n and sig["sigma"].default is not inspect.Parameter.empty:
+        if (
+            "sigma" in sig
+            and "sigma" not in n
+            and sig["sigma"].default is not inspect.Parameter.empty
+        ):
             n = {"name": n["name"], "sigma": sig["sigma"].default, **n}
         kw = [
             f"{k}={v}"

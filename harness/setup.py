@@ -206,10 +206,19 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
+def check_save_final(cfg: DictConfig) -> None:
+    if cfg.save_final and fsdp(cfg):
+        raise ValueError(
+            "save_final=True with a sharded trainer (FSDP2); valid: false (the weights are "
+            "in the last checkpoint's folder checkpoints/step_N/)"
+        )
+
+
 def validate_ranks(cfg: DictConfig, world: int) -> None:
     """The checks a run across `world` ranks adds, before any compute; each error names the key,
     the bad value and what is valid."""
     r = cfg.rollout
+    check_save_final(cfg)
     if cfg.engine.fsdp is False and world > 1:
         raise ValueError(f"engine.fsdp=False with {world} ranks; valid: true or null (ranks "
                          "shard the trainer with FSDP2), or one rank")  # fmt: skip

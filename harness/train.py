@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import sys
 import time
 from functools import partial
@@ -57,6 +58,7 @@ from harness.diagnostics import bin_means, check_collapse, dials, identity_check
 from harness.engines import Engine
 from harness.io import write_json_atomic, write_text_atomic
 from harness.launch import read_json, run_task, update_meta
+from harness.models import save_folder
 from harness.noise.fp8 import high_precision, shadow_pass
 from harness.objectives.opsd import teacher_inputs
 from harness.repetition import repetition_reports
@@ -306,6 +308,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     finally:
         if tracker is not None:
             tracker.close()
+    if lead and cfg.save_final:
+        save_folder(s.policy.model, s.tok, run_dir / "final.tmp-swap")
+        shutil.rmtree(run_dir / "final", ignore_errors=True)  # a rerun's final replaces it
+        (run_dir / "final.tmp-swap").rename(run_dir / "final")
     if lead:
         update_meta(run_dir, last_step=cfg.steps)
         print(end_line(run_dir, last, cfg.steps, first, time.time() - t_start), flush=True)

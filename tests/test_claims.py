@@ -260,7 +260,9 @@ def test_claims_refuses_runs_that_cannot_give_the_registered_tests(tmp_path):
 
     prereg = preset_config("nsr_vs_decay")["prereg"]
     (exp / "prereg.yaml").write_text(yaml.safe_dump(prereg, allow_unicode=True))
-    vals = {(arm, s): [0.1, 0.2, 0.3, 0.4] for arm in ("NSR", "deterministic decay") for s in range(2)}
+    vals = {
+        (arm, s): [0.1, 0.2, 0.3, 0.4] for arm in ("NSR", "deterministic decay") for s in range(2)
+    }
     toy = _summary(vals).assign(steps=4, entropy_mean=0.3)
     toy.to_csv(exp / "summary.csv", index=False)
     with pytest.raises(ValueError) as e, pytest.warns(UserWarning, match="checksum"):

@@ -864,3 +864,18 @@ def test_a_run_that_never_rewards_says_so(tmp_path, capsys):
     rows = _metrics(tmp_path)
     assert [r["reward/mean"] for r in rows] == [0.0] * 5  # the premise
     assert "WARNING no learning signal" in capsys.readouterr().err
+
+
+def test_save_final_writes_the_trained_policy_as_a_plain_hf_folder(tmp_path, alternating_reward):
+    from harness.models import load_model, weights_sha
+
+    cfg = _cfg(tmp_path, "steps=2", "save_final=true", "checkpoint_every=1")
+    train.run(cfg)
+    model, _ = load_model(str(tmp_path / "final"))
+    state = torch.load(tmp_path / "checkpoints" / "step_2.pt", weights_only=True)["model"]
+    ref, _ = load_model("tiny-llama")
+    ref.load_state_dict(state)
+    assert weights_sha(model) == weights_sha(ref)  # the step-2 weights, not the initial ones
+    assert weights_sha(model) != weights_sha(load_model("tiny-llama")[0])
+    with pytest.raises(ValueError, match="save_final=True with a sharded trainer"):
+        train.run(_cfg(tmp_path / "b", "steps=1", "save_final=true", "engine.fsdp=true"))
