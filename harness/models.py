@@ -263,7 +263,7 @@ def load_model(
         except OSError as e:  # offline hub id, missing folder: one line, not 200
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise OSError(
-                f"model spec {spec!r}: could not load it ({first}). A hub id needs network access "
+                f"model.spec={spec!r}: could not load it ({first}). A hub id needs network access "
                 "to the Hugging Face hub (or a local copy: pass its folder)"
             ) from None
         if tok.pad_token is None:

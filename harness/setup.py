@@ -182,6 +182,9 @@ def validate(cfg: DictConfig) -> None:
     elif spec not in BUILTIN_SPECS and not Path(spec).is_dir() and "/" not in spec:
         raise bad("model.spec", spec, f"task-model, {', '.join(BUILTIN_SPECS)}, a local HF folder "
                   "or a Hugging Face hub id (org/name)")  # fmt: skip
+    elif Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
+        raise bad("model.spec", spec, "a Hugging Face model folder (it has no config.json; "
+                  "`python -m harness.models export <spec> <folder>` writes one)")  # fmt: skip
     obj = cfg.objective.name
     misplaced = sorted({"aggregation", *AGGREGATION_KEYS} & set(cfg.objective))
     if misplaced:

@@ -477,6 +477,12 @@ def test_every_check_runs_before_any_model_is_built(tmp_path, monkeypatch, overr
     assert key in str(e.value) and time.time() - t0 < 5
 
 
+def test_a_folder_that_is_not_a_model_fails_before_compute_naming_model_spec(tmp_path):
+    (tmp_path / "not-a-model").mkdir()
+    with pytest.raises(ValueError, match=r"model.spec=.*not-a-model.; valid: a Hugging Face"):
+        setup.validate(_cfg(tmp_path, f"model.spec={tmp_path}/not-a-model"))
+
+
 def test_a_dataset_that_is_not_there_fails_before_the_model_loads(tmp_path, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("the model loaded before the dataset was read")
