@@ -156,6 +156,12 @@ def validate(cfg: DictConfig) -> None:
         ("engine.micro_batch_tokens", cfg.engine.micro_batch_tokens,
          cfg.engine.micro_batch_tokens is None or cfg.engine.micro_batch_tokens >= 1,
          ">= 1 (prompt + response tokens per micro-batch), or null (each minibatch in one pass)"),
+        # a full-length response alone would exceed every micro-batch: the budget bounds nothing
+        ("engine.micro_batch_tokens", cfg.engine.micro_batch_tokens,
+         None in (cfg.engine.micro_batch_tokens, r.max_new_tokens)
+         or cfg.engine.micro_batch_tokens > r.max_new_tokens,
+         f"> rollout.max_new_tokens = {r.max_new_tokens} (one whole sequence: its prompt and "
+         "a full-length response), or null"),
     ]  # fmt: skip
     for key, value, ok, valid in checks:
         if not ok:

@@ -231,6 +231,18 @@ def test_a_bad_budget_fails_before_any_model_is_built(tmp_path, monkeypatch, val
         train.run(cfg)
 
 
+def test_a_budget_below_one_full_length_sequence_fails_before_any_model_is_built(
+    tmp_path, monkeypatch
+):
+    def no_build(cfg):
+        raise AssertionError("a model was built before the config was checked")
+
+    monkeypatch.setattr(setup, "build_task_and_model", no_build)
+    cfg = _cfg(tmp_path, "engine.micro_batch_tokens=12", "steps=1")  # max_new_tokens=12
+    with pytest.raises(ValueError, match=r"micro_batch_tokens=12; valid: > rollout.max_new_tokens"):
+        train.run(cfg)
+
+
 def naive_accumulation(objective, logp, mb, parts):
     """The variant the equality test must reject: each micro-batch's loss with its own
     denominator, averaged over micro-batches (the gradient-accumulation bug)."""
