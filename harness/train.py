@@ -48,6 +48,7 @@ from harness.alpha import minibatch_schedule
 from harness.batch import TokenBatch
 from harness.checkpoint import (
     checkpoint_state,
+    checkpoints,
     config_contract,
     resume,
     roll_back,
@@ -320,13 +321,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return last
 
 
+def disk_bytes(path: Path) -> int:
+    """A checkpoint's size on disk: a file, or a sharded run's folder."""
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*"))
+
+
 def end_line(run_dir: Path, last: dict, steps: int, first: int, wall_s: float) -> str:
-    """The run's last words in a log: where it is, how far it got, its last numbers."""
+    """The run's last words in a log: where it is, how far it got, its last numbers and the
+    size of what resume reads (weights, optimizer state, the weight history of staleness)."""
     if not last:  # resumed at its end: nothing ran
         return f"[train] {run_dir}: already at step {steps}; nothing to run"
     done = last["step"] - first + 1
+    kept = checkpoints(run_dir)
+    size = sum(disk_bytes(p) for p in kept) / 2**30
     return (f"[train] done {run_dir}: step {last['step']}/{steps} ({done} steps in "
-            f"{wall_s:.0f} s); last step: {plain_line(last, steps)}")  # fmt: skip
+            f"{wall_s:.0f} s); {len(kept)} checkpoint(s), {size:.2f} GiB; last step: "
+            f"{plain_line(last, steps)}")  # fmt: skip
 
 
 SIGNAL_STEPS = 5  # a fresh run's first steps, read for a learning signal

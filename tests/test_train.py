@@ -639,6 +639,7 @@ def test_cli_run_in_a_log_prints_plain_lines_and_an_end_line_and_writes_no_empty
     assert [ln.split()[1] for ln in lines[:2]] == ["1/2", "2/2"], r.stdout
     assert all("reward " in ln and "entropy " in ln for ln in lines)
     assert lines[2].startswith(f"[train] done {tmp_path}: step 2/2 (2 steps in ")
+    assert " 1 checkpoint(s), " in lines[2] and " GiB; last step: step 2/2" in lines[2]
     assert "\r" not in r.stderr and "it/s" not in r.stderr  # no bar in a log
     assert not list(tmp_path.rglob("*.log"))
 
