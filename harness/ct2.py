@@ -146,7 +146,12 @@ class Ct2Engine:
         top_k: int = 0,
         seed: int = 0,
         progress: bool = False,
+        batch_rows: tuple[int, int] | None = None,
     ) -> Rollout:
+        """`Engine.generate`'s contract; one process samples the whole batch (`batch_rows`, a
+        rank's share of it, is refused: several ranks are refused with engine.sampler=ct2)."""
+        if batch_rows is not None:
+            raise ValueError("engine.sampler=ct2 samples the whole batch in one process")
         check_sampling(temperature, top_k, top_p)
         ids, attn = encode_prompts(self.tokenizer, prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)

@@ -101,7 +101,7 @@ def test_train_preset_composes_and_passes_start_up_checks(name, tmp_path):
     assert cfg.engine.trainer_dtype == cfg.engine.sampler_dtype == "bf16"
     assert not cfg.engine.tf32
     assert cfg.model.spec not in MODEL_SPECS | {"task-model"} and "/" in cfg.model.spec
-    assert cfg.task.name == "jsonl" and cfg.task.path == "/data/x.jsonl"
+    assert cfg.task.name == "hf" and cfg.task.path == "/data/x.jsonl"
     assert 512 <= cfg.rollout.max_new_tokens <= 1024
     assert 100 <= cfg.steps < 1000 and cfg.optim.lr <= 1e-5
     if cfg.noise.name == "fp8":
