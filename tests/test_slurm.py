@@ -215,23 +215,26 @@ def test_killed_job_fails_the_driver_fast_and_cancels_the_rest(cluster, tmp_path
 
 @pytest.mark.slurm
 def test_task_traceback_reaches_driver_and_run_dir(cluster, tmp_path):
-    r = run_driver(driver(tmp_path, "advantage=grpo,bogus", steps=2), 300)
+    # a value every check before submission accepts (harness.presubmit) and training rejects:
+    # lr 1e39 is inf in fp32, so the first step's weights are non-finite and the run aborts
+    r = run_driver(
+        driver(tmp_path, "optim.lr=1e-4,1e39", steps=2, **{"guard.max_nonfinite": 1}), 300
+    )
     text = r.stdout + r.stderr
     assert r.returncode != 0, text
-    bad = tmp_path / "advantage=bogus"
-    # the traceback from inside the job: frames of the task (harness/train.py: run validates its
-    # config inside the job), not of the driver
+    bad = tmp_path / "optim.lr=1e39"
+    # the traceback from inside the job: frames of the task (harness/train.py), not the driver's
     frame = 'harness/train.py", line'
     assert "Traceback (most recent call last)" in text and frame in text and "in run" in text, text
-    assert "advantage='bogus'" in text and f"{bad}/traceback.txt" in text, text
+    assert "consecutive steps with a non-finite" in text and f"{bad}/traceback.txt" in text, text
     tb = (bad / "traceback.txt").read_text()
-    assert frame in tb and "in run" in tb and "ValueError" in tb
+    assert frame in tb and "in run" in tb and "TrainingAborted" in tb
     m = meta(bad)
-    assert m["status"] == "failed" and m["error"].startswith("ValueError"), m
+    assert m["status"] == "failed" and m["error"].startswith("TrainingAborted"), m
     # Slurm's view: the job itself ran fine (and the driver's abort did not cancel finished jobs);
     # accounting can lag the driver by a few seconds when the task fails fast
     assert final_state(m["slurm"]["job"]) == "COMPLETED"
-    assert meta(tmp_path / "advantage=grpo")["status"] == "completed"
+    assert meta(tmp_path / "optim.lr=1e-4")["status"] == "completed"
 
 
 # --- (d) scancel --signal=USR2 requeues the task and it resumes from its checkpoint -----------
