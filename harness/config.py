@@ -9,6 +9,7 @@ time.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,6 +202,16 @@ def run_name(override_dirname: str) -> str:
 
 
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+
+
+def hydra_record() -> str | None:
+    """Where Hydra writes a job's record (`hydra.output_subdir`): ".hydra" on rank 0, nowhere on
+    the other ranks of a torchrun job, which all compose the same config into the same folder
+    (rank 0 keeps the run's record; two writers raced its move into `out=`)."""
+    return ".hydra" if os.environ.get("RANK", "0") == "0" else None
+
+
+OmegaConf.register_new_resolver("hydra_record", hydra_record, replace=True)
 
 # The swept-axis nodes and the warm-start recipe are open: their keys are the builders' keyword
 # arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked

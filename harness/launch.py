@@ -23,6 +23,7 @@ the Slurm jobs of the sweep that are still queued or running.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import importlib.metadata
 import inspect
@@ -230,19 +231,20 @@ def run_dir(cfg: DictConfig) -> Path:
     return Path(str(out)).absolute()
 
 
-def adopt_hydra_record(run: Path) -> None:
+def adopt_hydra_record(run: Path, keep: bool = True) -> None:
     """With out=<dir>, Hydra still makes its own output folder for the job's record (.hydra):
-    move the record into the run folder and leave no .hydra-only folder behind."""
+    move the record into the run folder (`keep`: rank 0 only) and leave no folder behind."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return
     hydra_dir = Path(HydraConfig.get().runtime.output_dir).absolute()
-    if hydra_dir == run or not (hydra_dir / ".hydra").is_dir():
+    if hydra_dir == run:
         return
-    shutil.copytree(hydra_dir / ".hydra", run / ".hydra", dirs_exist_ok=True)
-    shutil.rmtree(hydra_dir / ".hydra")
-    if not any(hydra_dir.iterdir()):
+    if keep and (hydra_dir / ".hydra").is_dir():
+        shutil.copytree(hydra_dir / ".hydra", run / ".hydra", dirs_exist_ok=True)
+        shutil.rmtree(hydra_dir / ".hydra")
+    with contextlib.suppress(OSError):  # not empty: someone else's files stay
         hydra_dir.rmdir()
 
 
@@ -253,12 +255,13 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     run.mkdir(parents=True, exist_ok=True)
     if "out" in cfg:
         cfg.out = str(run)
-    adopt_hydra_record(run)
     from harness.distributed import environment
 
     if environment().rank != 0:  # rank 0 keeps the run's record
+        adopt_hydra_record(run, keep=False)
         check_nodes(cfg)
         return fn(cfg)
+    adopt_hydra_record(run)
     attempt = {
         "start_time": _now(),
         "host": socket.gethostname(),

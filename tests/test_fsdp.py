@@ -67,12 +67,15 @@ def launch(tmp_path: Path, ranks: int, out: Path, *overrides: str, wait: bool = 
         port = str(29500 + os.getpid() % 2000)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                f"--master_port={port}", str(script)]  # fmt: skip
-    args = [*cmd, f"out={out}", *TINY, *overrides]
+    hydra_dir = Path(f"{out}_hydra")  # where Hydra's own record goes before the run adopts it
+    args = [*cmd, f"out={out}", f"hydra.run.dir={hydra_dir}", *TINY, *overrides]
     p = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if not wait:
         return p
     text = p.communicate(timeout=300)[0].decode()
     assert p.returncode == 0, text[-4000:]
+    # one record, in the run folder: no rank leaves a .hydra-only folder behind
+    assert (out / ".hydra" / "config.yaml").is_file() and not hydra_dir.exists()
     return text
 
 
