@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from harness.registry import build
 from harness.setup import task_spec, validate
@@ -27,8 +27,11 @@ def sweep_points(config: DictConfig) -> list[list[str]]:
     preset's `hydra.sweeper.params`, then the command line's overrides (the later wins)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-    params = config.hydra.sweeper.get("params") or {}
-    overrides = [*(f"{k}={v}" for k, v in params.items()), *config.hydra.overrides.task]
+    # unresolved: an override may hold an interpolation only a job resolves (out=${hydra:...})
+    params = config.hydra.sweeper.get("params")
+    params = OmegaConf.to_container(params, resolve=False) if params else {}
+    task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+    overrides = [*(f"{k}={v}" for k, v in params.items()), *task]
     parsed = OverridesParser.create().parse_overrides(overrides)
     return BasicSweeper.split_arguments(parsed, None)[0]
 
@@ -51,7 +54,11 @@ class PreSubmitCheck(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.job.config_name != "train":  # harness.measure checks its own
             return
-        points = sweep_points(config)
+        try:
+            points = sweep_points(config)
+        except Exception as e:  # noqa: BLE001 — fail closed: an unchecked sweep is not submitted
+            raise SystemExit(f"[presubmit] could not expand the sweep: {type(e).__name__}: {e}. "
+                             "Nothing was submitted.") from None  # fmt: skip
         for i, overrides in enumerate(points):
             try:
                 check_point(config, overrides)

@@ -210,6 +210,21 @@ def test_killed_job_fails_the_driver_fast_and_cancels_the_rest(cluster, tmp_path
     assert sacct_state(other_job).startswith("CANCELLED")
 
 
+# --- a bad value in one sweep point: nothing reaches the cluster -----------------------------
+
+
+@pytest.mark.slurm
+def test_a_bad_sweep_point_is_refused_before_anything_is_submitted(cluster, tmp_path):
+    before = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-1hour"],
+                            capture_output=True, text=True).stdout.split()  # fmt: skip
+    r = run_driver(driver(tmp_path, "advantage=grpo,bogus", steps=2), 120)
+    assert r.returncode != 0 and "Nothing was submitted" in r.stderr, r.stdout + r.stderr
+    assert "advantage='bogus'" in r.stderr and not list(tmp_path.glob("*/meta.json"))
+    after = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-1hour"],
+                           capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert after == before  # no job, not even the good point's
+
+
 # --- (c) a task that raises: traceback in the driver's output and in its run dir -------------
 
 
@@ -218,11 +233,11 @@ def test_task_traceback_reaches_driver_and_run_dir(cluster, tmp_path):
     # a value every check before submission accepts (harness.presubmit) and training rejects:
     # lr 1e39 is inf in fp32, so the first step's weights are non-finite and the run aborts
     r = run_driver(
-        driver(tmp_path, "optim.lr=1e-4,1e39", steps=2, **{"guard.max_nonfinite": 1}), 300
+        driver(tmp_path, "optim.lr=0.0001,1e+39", steps=2, **{"guard.max_nonfinite": 1}), 300
     )
     text = r.stdout + r.stderr
     assert r.returncode != 0, text
-    bad = tmp_path / "optim.lr=1e39"
+    bad = tmp_path / "optim.lr=1e+39"
     # the traceback from inside the job: frames of the task (harness/train.py), not the driver's
     frame = 'harness/train.py", line'
     assert "Traceback (most recent call last)" in text and frame in text and "in run" in text, text
@@ -234,7 +249,7 @@ def test_task_traceback_reaches_driver_and_run_dir(cluster, tmp_path):
     # Slurm's view: the job itself ran fine (and the driver's abort did not cancel finished jobs);
     # accounting can lag the driver by a few seconds when the task fails fast
     assert final_state(m["slurm"]["job"]) == "COMPLETED"
-    assert meta(tmp_path / "optim.lr=1e-4")["status"] == "completed"
+    assert meta(tmp_path / "optim.lr=0.0001")["status"] == "completed"
 
 
 # --- (d) scancel --signal=USR2 requeues the task and it resumes from its checkpoint -----------
