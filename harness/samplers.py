@@ -2,42 +2,62 @@
 
 hf    this process's transformers model (harness.engines.Engine), β injected by harness.noise
 ct2   CTranslate2 (harness.ct2.Ct2Engine): a second engine whose β is its own kernels
+vllm  vLLM in a worker process (harness.vllm_engine.VllmEngine): the engine users deploy
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from omegaconf import DictConfig
+
 from harness.ct2 import Ct2Engine, check_compute_type, require_ct2
 from harness.engines import Engine
+from harness.vllm_engine import VllmEngine, check_vllm
 
 
-def _hf(model, tokenizer, noise, kv_cache: bool, ct2_compute_type: str) -> Engine:
-    return Engine(model, tokenizer, noise=noise, kv_cache=kv_cache)
+def _hf(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> Engine:
+    return Engine(model, tokenizer, noise=noise, kv_cache=eng.kv_cache)
 
 
-def _ct2(model, tokenizer, noise, kv_cache: bool, ct2_compute_type: str) -> Ct2Engine:
-    return Ct2Engine(model, tokenizer, compute_type=ct2_compute_type)
+def _ct2(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> Ct2Engine:
+    return Ct2Engine(model, tokenizer, compute_type=eng.ct2.compute_type)
 
 
-ENGINES = {"hf": _hf, "ct2": _ct2}  # μ: this process's HF model | CTranslate2 (harness.ct2)
+def _vllm(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> VllmEngine:
+    return VllmEngine(
+        model, tokenizer, dtype=eng.sampler_dtype, python=eng.vllm.python,
+        start_timeout_s=eng.vllm.start_timeout_s,
+        log=None if log_dir is None else log_dir / "vllm_worker.log",
+    )  # fmt: skip
 
 
-def check_sampler(name: str, compute_type: str, noise: list[str], sampler_dtype: str) -> None:
-    """`engine.sampler` and what it allows, before any compute: ct2 brings its own β (kernels,
-    quantisation), so no noise is injected and its precision is `engine.ct2.compute_type`."""
+ENGINES = {"hf": _hf, "ct2": _ct2, "vllm": _vllm}
+
+
+def check_sampler(eng: DictConfig, noise: list[str], rollout: DictConfig | None = None) -> None:
+    """`engine.sampler` and what it allows, before any compute: ct2 and vllm bring their own β
+    (kernels, quantisation, precision), so no noise is injected; ct2's precision is
+    `engine.ct2.compute_type`, vllm's `engine.sampler_dtype`."""
+    name = eng.sampler
     if name not in ENGINES:
         raise ValueError(f"engine.sampler={name!r}; valid: {', '.join(ENGINES)}")
-    if name != "ct2":
+    if name == "hf":
         return
-    check_compute_type(compute_type)
     if noise:
         raise ValueError(
-            f"engine.sampler=ct2 with injected noise {noise}: CTranslate2's β is its own (its "
-            "kernels, engine.ct2.compute_type); inject none (noise=none, extra_noise=[]), or "
-            "use engine.sampler=hf with the noise"
+            f"engine.sampler={name} with injected noise {noise}: that engine's β is its own "
+            "(its kernels and precision); inject none (noise=none, extra_noise=[]), or use "
+            "engine.sampler=hf with the noise"
         )
-    if sampler_dtype != "fp32":
+    if name == "vllm":
+        r = rollout if rollout is not None else {"top_k": 0, "top_p": 1.0}
+        check_vllm(eng.vllm.python, eng.sampler_dtype, r["top_k"], r["top_p"], eng.mask_replay)
+        return
+    check_compute_type(eng.ct2.compute_type)
+    if eng.sampler_dtype != "fp32":
         raise ValueError(
-            f"engine.sampler_dtype={sampler_dtype!r} with engine.sampler=ct2; valid: 'fp32' "
+            f"engine.sampler_dtype={eng.sampler_dtype!r} with engine.sampler=ct2; valid: 'fp32' "
             "(CTranslate2's precision is engine.ct2.compute_type)"
         )
     require_ct2()

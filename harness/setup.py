@@ -103,9 +103,8 @@ def build_sampler(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
     smp = copy.deepcopy(model).to(resolve_dtype(cfg.engine.sampler_dtype))
     smp.config._attn_implementation = cfg.engine.sampler_attention
     noise = [build_noise(name, **kw) for name, kw in map(split_node, noise_nodes(cfg))]
-    return ENGINES[cfg.engine.sampler](
-        smp, tok, noise, cfg.engine.kv_cache, cfg.engine.ct2.compute_type
-    )
+    log_dir = Path(cfg.out) if cfg.get("out") else None
+    return ENGINES[cfg.engine.sampler](smp, tok, noise, cfg.engine, log_dir)
 
 
 ATTENTIONS = ("sdpa", "eager")
@@ -169,11 +168,11 @@ def validate(cfg: DictConfig) -> None:
     resolve_device(cfg.engine.device)  # a CUDA device must exist here
     check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
     injected = [n["name"] for n in noise_nodes(cfg)]
-    check_sampler(cfg.engine.sampler, cfg.engine.ct2.compute_type, injected,
-                  cfg.engine.sampler_dtype)  # fmt: skip
-    if cfg.engine.sampler == "ct2" and cfg.drivers.beta_growth != 1.0:
-        raise bad("drivers.beta_growth", cfg.drivers.beta_growth, "1.0 with engine.sampler=ct2 "
-                  "(its β is the engine's own, not a σ that can grow)")  # fmt: skip
+    check_sampler(cfg.engine, injected, cfg.rollout)
+    if cfg.engine.sampler != "hf" and cfg.drivers.beta_growth != 1.0:
+        why = "its β is the engine's own, not a σ that can grow"
+        raise bad("drivers.beta_growth", cfg.drivers.beta_growth,
+                  f"1.0 with engine.sampler={cfg.engine.sampler} ({why})")  # fmt: skip
     if cfg.drivers.harder_at:  # the harder task's kwargs against the task's builder
         if not cfg.drivers.harder:
             raise bad("drivers.harder", {}, "the task kwargs that make it harder, e.g. "

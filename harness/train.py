@@ -282,10 +282,13 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
             calibrate=calibrate, on_step=on_step, restore=restore,
             shadow=shadow if cfg.engine.trainer_fp8 else None, ranks=s.ranks,
         )  # fmt: skip
+    t_sync = time.time()
     s.sampler.load_weights_from_state(s.history.behaviour())  # staleness: k steps old
+    sync_s = time.time() - t_sync
     if s.ranks.world > 1:
         reps = [r for part in distributed.gather_objects(reps) for r in part]
     m = step_metrics(step, batch, rewards, reps, updates, skipped, guard, cfg) | snr
+    m["time/sync_s"] = round(sync_s, 4)  # the weight sync to μ (a reload for ct2 and vllm)
     if cfg.drivers.beta_growth != 1.0:
         m["drivers/beta_scale"] = beta_scale(cfg, step)
     if s.harder_task is not None:

