@@ -54,7 +54,7 @@ test-recipe: $(STAMP)  ## rebuild the default task model from its recipe and che
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~105 min on 2 cores)
+bench: $(STAMP) $(VLLM_STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~105 min on 2 cores)
 	$(PY) -m pip install -q -e '.[dev,ct2,bench]'
 	mkdir -p results/bench
 	$(PY) benchmarks/bench_score.py --rounds 3
@@ -73,6 +73,7 @@ bench: $(STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~105 m
 	$(PY) benchmarks/bench_run.py --before 328f94f --steps 300
 	$(PY) benchmarks/bench_flops.py --pairs 5
 	$(PY) benchmarks/bench_ct2.py --rounds 5
+	$(PY) benchmarks/bench_vllm.py --rounds 3
 
 figures: $(STAMP)  ## every figure and the claims table from the committed CSVs under results/ (< 2 min)
 	$(PY) -m analysis.noise_anatomy results/measure
@@ -85,6 +86,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.collapse_reject_vs_clamp
 	$(PY) -m analysis.collapse_drivers
 	$(PY) -m analysis.fp8_entropy_surge
+	$(PY) -m analysis.surge_confirm
 	$(PY) -m analysis.fp8_full_pipeline
 	$(PY) -m analysis.cis_vs_tis
 	$(PY) -m analysis.opsd_repetition

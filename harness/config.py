@@ -38,6 +38,11 @@ class VllmCfg:
     # vLLM's own Python (its venv; harness.vllm_engine); null: the venv `make vllm` builds
     python: str | None = None
     start_timeout_s: float = 600.0  # the worker's start-up (model load), then an error
+    # GPU nodes only (a CUDA vLLM): the GPU the worker sees (CUDA_VISIBLE_DEVICES; null: the
+    # launcher's) and the fraction of its memory vLLM takes (weights + KV cache); the default
+    # leaves half of a GPU it shares with the trainer to the trainer
+    gpus: str | None = None
+    gpu_memory_utilization: float = 0.5
 
 
 @dataclass

@@ -27,7 +27,8 @@ def _ct2(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> Ct2E
 def _vllm(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> VllmEngine:
     return VllmEngine(
         model, tokenizer, dtype=eng.sampler_dtype, python=eng.vllm.python,
-        start_timeout_s=eng.vllm.start_timeout_s,
+        start_timeout_s=eng.vllm.start_timeout_s, gpus=eng.vllm.gpus,
+        gpu_memory_utilization=eng.vllm.gpu_memory_utilization,
         log=None if log_dir is None else log_dir / "vllm_worker.log",
     )  # fmt: skip
 

@@ -288,7 +288,8 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
     if s.ranks.world > 1:
         reps = [r for part in distributed.gather_objects(reps) for r in part]
     m = step_metrics(step, batch, rewards, reps, updates, skipped, guard, cfg) | snr
-    m["time/sync_s"] = round(sync_s, 4)  # the weight sync to μ (a reload for ct2 and vllm)
+    if cfg.engine.sampler != "hf":  # another engine reloads the weights: what that costs
+        m["time/sync_s"] = round(sync_s, 4)
     if cfg.drivers.beta_growth != 1.0:
         m["drivers/beta_scale"] = beta_scale(cfg, step)
     if s.harder_task is not None:

@@ -18,7 +18,6 @@ import os
 import select
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +36,10 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 def default_python() -> Path:
-    """The Python of the venv `make vllm` builds (outside the checkout, so clones share it)."""
+    """$RATIOLAB_VLLM_PYTHON, else the Python of the venv `make vllm` builds (in the ratiolab
+    cache, outside the checkout, so clones share it)."""
+    if os.environ.get("RATIOLAB_VLLM_PYTHON"):
+        return Path(os.environ["RATIOLAB_VLLM_PYTHON"])
     return cache_dir() / f"vllm-{VERSION}" / "bin" / "python"
 
 
@@ -78,6 +80,7 @@ class VllmEngine:
     def __init__(
         self, model, tokenizer, dtype: str = "fp32", python: str | None = None,
         start_timeout_s: float = 600.0, seed: int = 0, log: str | Path | None = None,
+        gpus: str | None = None, gpu_memory_utilization: float = 0.5,
     ):  # fmt: skip
         self.model = model.float()
         self.tokenizer = tokenizer
@@ -91,6 +94,7 @@ class VllmEngine:
         self._dir = Path(tempfile.mkdtemp(prefix="ratiolab-vllm-"))
         self.log = Path(log) if log else self._dir / "worker.log"
         self.proc = None
+        self.gpus, self.gpu_memory_utilization = gpus, gpu_memory_utilization
         self._write_weights(self._dir / "weights")
         self._start(resolve_python(python), start_timeout_s, seed)
 
@@ -102,6 +106,8 @@ class VllmEngine:
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "0",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
                "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": ""}  # fmt: skip
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpus)
         self._log_file = open(self.log, "ab")
         self.proc = subprocess.Popen(
             [str(python), str(WORKER), "--fd-in", str(to_worker_r), "--fd-out",
@@ -114,7 +120,8 @@ class VllmEngine:
         self._reader = os.fdopen(self._from_worker, "r")
         self._writer = os.fdopen(self._to_worker, "w")
         init = {"op": "init", "model": str(self._dir / "weights"), "dtype": DTYPES[self.dtype],
-                "max_model_len": self.max_len or 4096, "seed": seed}  # fmt: skip
+                "max_model_len": self.max_len or 4096, "seed": seed,
+                "gpu_memory_utilization": self.gpu_memory_utilization}  # fmt: skip
         try:
             self.version = self._call(init, timeout=timeout)["version"]
         except RuntimeError as e:
@@ -252,6 +259,5 @@ class VllmEngine:
         )
 
 
-if __name__ == "__main__":  # python -m harness.vllm_engine: where the worker's Python is looked for
+if __name__ == "__main__":  # python -m harness.vllm_engine: the worker's Python by default
     print(default_python())
-    sys.exit(0)

@@ -8,7 +8,7 @@ Protocol: one JSON object per line on the pipe the harness passes as fd `--fd-in
 "op"; every reply is {"ok": true, ...} or {"ok": false, "error": "<type>: <message>"}.
 
   {"op": "init", "model": folder, "dtype": "float32"|"bfloat16", "max_model_len": int,
-   "seed": int}
+   "seed": int, "gpu_memory_utilization": float (CUDA only)}
       → {"ok", "version", "device"}
   {"op": "sample", "prompts": [[token ids]], "n", "temperature", "top_p", "top_k",
    "max_tokens", "stop_ids": [ids], "seed": int, "support": int}
@@ -50,20 +50,22 @@ class Worker:
     def __init__(self):
         self.llm = None
 
-    def init(self, model: str, dtype: str, max_model_len: int, seed: int) -> dict:
+    def init(self, model: str, dtype: str, max_model_len: int, seed: int,
+             gpu_memory_utilization: float) -> dict:  # fmt: skip
         import torch
         import vllm
 
         torch.manual_seed(seed)
+        kw = {"gpu_memory_utilization": gpu_memory_utilization} if torch.cuda.is_available() else {}
         self.llm = vllm.LLM(
             model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
             skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs", max_logprobs=-1,
+            logprobs_mode="processed_logprobs", max_logprobs=-1, **kw,
         )  # fmt: skip
         # one token now: a model the engine loads but has no kernel for fails here, not mid-run
         self.llm.generate([vllm.TokensPrompt(prompt_token_ids=[0])],
                           vllm.SamplingParams(max_tokens=1), use_tqdm=False)  # fmt: skip
-        return {"version": vllm.__version__, "device": "cpu"}
+        return {"version": vllm.__version__, "device": "cuda" if kw else "cpu"}
 
     def sample(self, prompts, n, temperature, top_p, top_k, max_tokens, stop_ids, seed,
                support) -> dict:  # fmt: skip

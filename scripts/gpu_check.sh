@@ -11,7 +11,7 @@
 # gpu-marked tests (tests/test_gpu.py); the device-parametrised tests' cuda ids; the CPU vs CUDA
 # step benchmark; the real-vs-emulated FP8 fidelity; a 3-step FSDP2 training run at world size 1
 # (torchrun, bf16 compute through FSDP's mixed precision); the peak memory of one update
-# (bench_memory); the summary. Every stage runs under its own
+# (bench_memory); vLLM as the sampler when a vLLM venv is there; the summary. Every stage runs under its own
 # timeout inside one overall budget; a failing stage is recorded (rc, seconds) and the next runs.
 # Exit status: 0 when every stage passed and no test failed, else 1.
 set -uo pipefail
@@ -139,7 +139,16 @@ stage fsdp 45 45 "$PY" -m torch.distributed.run --nproc_per_node=1 --master_port
 stage bench_memory 60 5 "$PY" benchmarks/bench_memory.py --device "$MEM_DEVICE" \
   --model smollm2-shaped $MEM_ARGS --out "$OUT/bench_memory_$MEM_DEVICE.json"
 
-# (g) the summary (standard library only), printed; at most 8 files under $OUT
+# (g) vLLM as the sampler (tests/test_vllm.py: fp32 agreement with the trainer, seeding, weight
+# sync), when a Python with vLLM is there: RATIOLAB_VLLM_PYTHON, else the venv `make vllm` builds
+VLLM_PY=$("$PY" -m harness.vllm_engine 2>/dev/null)
+if [ -n "$VLLM_PY" ] && [ -x "$VLLM_PY" ]; then
+  stage vllm 120 5 "${PYTEST[@]}" -m slow tests/test_vllm.py -k "fp32 or seed or tied"
+else
+  record vllm absent 0 "no Python with vLLM (${VLLM_PY:-harness.vllm_engine failed}): set RATIOLAB_VLLM_PYTHON or carry a vLLM venv"
+fi
+
+# (h) the summary (standard library only), printed; at most 8 files under $OUT
 "$PY" scripts/gpu/summarize.py summary --out "$OUT" --stages "$STAGES" --env "$WORK/env.json" \
   --tests gpu_tests,device_tests --logs "$WORK" >"$WORK/summary.out" 2>&1
 src=$?

@@ -70,7 +70,7 @@ def grid(sweep: dict) -> list[list[str]]:
 
 def test_every_preset_exists():
     assert set(MEASURE_PRESETS) == {"noise_anatomy", "snr_table", "real_engine_beta",
-                                    "precision_beta"}  # fmt: skip
+                                    "real_engine_beta_vllm", "precision_beta"}  # fmt: skip
     assert set(PRESETS) == {
         "collapse_reject_vs_clamp",
         "fp8_entropy_surge",

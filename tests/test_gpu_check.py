@@ -123,9 +123,15 @@ def test_summary_ok_when_everything_passed(tmp_path):
     (tmp_path / "fp8_fidelity" / "fp8_fidelity.json").write_text(json.dumps(fid))
     (tmp_path / "fp8_fidelity" / "other.json").write_text('{"x": 1}')
     stages = tmp_path / "stages.tsv"
-    stages.write_text("gpu_tests\t0\t5\t\n")
+    # a stage absent by design (no vLLM venv on the device) does not fail the check; skipped does
+    stages.write_text("gpu_tests\t0\t5\t\nvllm\tabsent\t0\tno Python with vLLM\n")
     r = summarize.summarize(tmp_path, stages, None, ("gpu_tests",))
     assert r["ok"] is True and r["tests_total"]["passed"] == 1
+    assert r["stages"]["vllm"] == {"rc": "absent", "wall_s": 0.0, "timed_out": False,
+                                   "note": "no Python with vLLM"}  # fmt: skip
+    skipped = tmp_path / "skipped.tsv"
+    skipped.write_text("gpu_tests\t0\t5\t\nbench\tskipped\t0\tno time left\n")
+    assert summarize.summarize(tmp_path, skipped, None, ("gpu_tests",))["ok"] is False
     f = r["fp8_fidelity"]
     assert f["files"] == ["fp8_fidelity.json", "other.json"] and f["other"] == {"x": 1}
     assert f["fp8_fidelity"]["device"] == "NVIDIA H200 (capability 9.0)"

@@ -94,7 +94,7 @@ def test_presets_are_the_measure_group(tmp_path):
     presets = sorted(p.relative_to(MEASURE).with_suffix("").as_posix()
                      for p in MEASURE.rglob("*.yaml"))  # fmt: skip
     assert presets == ["gpu/snr_table", "noise_anatomy", "precision_beta", "real_engine_beta",
-                       "snr_table"]  # fmt: skip
+                       "real_engine_beta_vllm", "snr_table"]  # fmt: skip
     for name in presets:
         assert not (MEASURE.parent / "experiment" / f"{name}.yaml").exists()
         text = (MEASURE / f"{name}.yaml").read_text()

@@ -451,7 +451,7 @@ def test_checkpoints_hold_only_tensors_and_plain_containers(tmp_path):
         ("logger=mlflow", "logger"),
         ("log_every=-1", "log_every"),
         ("objective.eps_hgh=0.3", "eps_hgh"),
-        ("engine.sampler=vllm", "engine.sampler"),
+        ("engine.sampler=sglang", "engine.sampler"),
         ("engine.sampler=ct2 engine.ct2.compute_type=fp8", "engine.ct2.compute_type"),
         ("engine.sampler=ct2 noise=logit", "noise=none"),
         ("engine.sampler=ct2 engine.sampler_dtype=bf16", "engine.sampler_dtype"),

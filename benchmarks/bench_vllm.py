@@ -1,0 +1,122 @@
+"""vLLM vs ratiolab's decoder vs HF `generate` as the sampler μ: rollout time, start-up, sync.
+
+    python benchmarks/bench_vllm.py [--rounds 3 --threads 1]
+
+SmolLM2-135M, the measurement job's prompts, 48 new tokens, T = 1, fp32, no noise, at two batch
+sizes (16 prompts × 2 and × 8). Per round one rollout per sampler, interleaved: `hf_generate`
+(transformers' `generate`, sampling), `ratiolab` (harness.engines.Engine: KV cache, lean decode,
+pruning of finished rows), `vllm` (harness.vllm_engine.VllmEngine: the worker under vLLM's own
+venv, `make vllm`). The ratio to hf_generate is taken within a round, reported as min / median /
+max over rounds. Start-up is the VllmEngine's construction (weights written, worker started,
+model loaded, one warm-up token); sync is one `load_weights_from_state` with changed weights
+(write safetensors, reload, re-pack the tied head, reset the prefix cache) — what
+`harness.train` pays per step with engine.sampler=vllm. Writes results/bench/vllm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from harness.engines import Engine
+from harness.io import write_json_atomic
+from harness.measure import PROMPTS, format_prompts
+from harness.models import load_model
+from harness.rollout import encode_prompts
+from harness.vllm_engine import VllmEngine
+
+
+class HFGenerate:
+    """transformers' own sampler, for scale: `generate` with do_sample, T = 1."""
+
+    def __init__(self, model, tok):
+        self.model, self.tok = model, tok
+
+    @torch.no_grad()
+    def generate(self, prompts, n, max_new_tokens, seed):
+        ids, attn = encode_prompts(self.tok, prompts)
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
+            top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n,
+            pad_token_id=self.tok.pad_token_id,
+        )  # fmt: skip
+        return int((out[:, ids.shape[1] :] != self.tok.pad_token_id).sum())
+
+
+def timed(engine, prompts, n, max_new, seed) -> tuple[float, int]:
+    t = time.perf_counter()
+    ro = engine.generate(prompts, n=n, max_new_tokens=max_new, seed=seed)
+    tokens = ro if isinstance(ro, int) else int(ro.response_mask.sum())
+    return time.perf_counter() - t, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok = load_model("smollm2-135m")
+    model.eval().requires_grad_(False)
+    prompts = format_prompts(tok, [p for p, _ in PROMPTS])
+    t = time.perf_counter()
+    vllm = VllmEngine(copy.deepcopy(model), tok)
+    startup = time.perf_counter() - t
+    engines = {
+        "hf_generate": HFGenerate(copy.deepcopy(model), tok),
+        "ratiolab": Engine(copy.deepcopy(model), tok),
+        "vllm": vllm,
+    }
+    out = {"threads": a.threads, "rounds": a.rounds, "cpu": platform.processor() or
+           platform.machine(), "vllm_version": vllm.version, "vllm_startup_s": startup}  # fmt: skip
+    print(f"SmolLM2-135M, {len(prompts)} prompts, 48 new tokens, fp32, {a.threads} threads")
+    print(f"  vLLM start-up (weights written, worker, model load, warm-up): {startup:.1f} s")
+    for e in engines.values():  # warm-up
+        timed(e, prompts[:2], 2, 4, 0)
+    for n in (2, 8):
+        times = {k: [] for k in engines}
+        tokens = {k: [] for k in engines}
+        for r in range(a.rounds):
+            for k, e in engines.items():
+                s, ntok = timed(e, prompts, n, 48, seed=r)
+                times[k].append(s)
+                tokens[k].append(ntok)
+        rows = {}
+        print(f"\n{len(prompts)} prompts × {n}")
+        for k in engines:
+            ratio = sorted(x / h for x, h in zip(times[k], times["hf_generate"]))
+            rows[k] = {
+                "median_s": statistics.median(times[k]),
+                "tokens_per_rollout": statistics.median(tokens[k]),
+                "ratio_to_hf_generate": {"min": ratio[0], "median": statistics.median(ratio),
+                                         "max": ratio[-1]},
+            }  # fmt: skip
+            print(f"  {k:12s} {rows[k]['median_s']:7.2f} s  ({rows[k]['tokens_per_rollout']:.0f} "
+                  f"tokens)  ratio to hf_generate {ratio[0]:.2f} / "
+                  f"{statistics.median(ratio):.2f} / {ratio[-1]:.2f}")  # fmt: skip
+        out[f"n{n}"] = rows
+    moved = copy.deepcopy(model)
+    for _ in range(3):
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.add_(1e-4 * torch.randn_like(p))
+        vllm.load_weights_from_state(moved.state_dict())
+    out["sync_s"] = {"median": statistics.median(vllm.sync_s), "all": vllm.sync_s}
+    print(f"\n  weight sync (write + reload + re-pack + cache reset): "
+          f"{statistics.median(vllm.sync_s):.2f} s")  # fmt: skip
+    vllm.close()
+    path = Path("results/bench/vllm.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
