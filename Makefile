@@ -83,6 +83,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.real_engine_beta  # CTranslate2 β beside the injected β (results/real_engine_beta/)
 	$(PY) -m analysis.real_engine_beta --compare results/measure --out results/measure
 	$(PY) -m analysis.real_engine_beta results/precision_beta --compare results/measure  # bf16 β
+	$(PY) -m analysis.real_engine_beta results/real_engine_beta_vllm --compare results/real_engine_beta results/measure  # vLLM β
 	$(PY) -m analysis.collapse_reject_vs_clamp
 	$(PY) -m analysis.collapse_drivers
 	$(PY) -m analysis.fp8_entropy_surge

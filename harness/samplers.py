@@ -51,6 +51,9 @@ def check_sampler(eng: DictConfig, noise: list[str], rollout: DictConfig | None 
             "(its kernels and precision); inject none (noise=none, extra_noise=[]), or use "
             "engine.sampler=hf with the noise"
         )
+    if eng.routing_replay:
+        raise ValueError(f"engine.routing_replay=True with engine.sampler={name}; valid: false "
+                         "(only the hf sampler records its MoE routes for R3)")  # fmt: skip
     if name == "vllm":
         r = rollout if rollout is not None else {"top_k": 0, "top_p": 1.0}
         check_vllm(eng.vllm.python, eng.sampler_dtype, r["top_k"], r["top_p"], eng.mask_replay)

@@ -176,6 +176,7 @@ def test_training_with_vllm_as_the_sampler(tmp_path, tiny_folder):
         ("engine.sampler_dtype=fp16", "sampler_dtype='fp16' with engine.sampler=vllm; valid: fp32"),
         ("noise=logit", r"engine.sampler=vllm with injected noise \['logit'\]"),
         ("rollout.top_p=0.9", r"rollout.top_p=0.9 with rollout.top_k=0, engine.sampler=vllm"),
+        ("engine.routing_replay=true", "engine.routing_replay=True with engine.sampler=vllm"),
     ],
 )  # fmt: skip
 def test_a_bad_vllm_config_fails_before_compute(tmp_path, override, match):
