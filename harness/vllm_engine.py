@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from harness.logprobs import check_sampling
 from harness.models import cache_dir
@@ -208,25 +207,22 @@ class VllmEngine:
         progress: bool = False,
         batch_rows: tuple[int, int] | None = None,
     ) -> Rollout:
-        """`Engine.generate`'s contract; the worker samples the whole batch (`batch_rows` is
-        refused: several ranks are refused with engine.sampler=vllm)."""
+        """`Engine.generate`'s contract; the worker samples the whole batch in one call (no
+        progress bar; `batch_rows` is refused: several ranks are refused with vllm)."""
         if batch_rows is not None:
             raise ValueError("engine.sampler=vllm samples the whole batch in one process")
         check_sampling(temperature, top_k, top_p)
         ids, attn = encode_prompts(self.tokenizer, prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)
-        truncated = top_k > 0 or top_p < 1.0
-        if top_p < 1.0 and top_k <= 0:
-            truncated = False  # support not recordable (check_vllm refuses it with mask replay)
-        bar = tqdm(total=1, desc="sampling (vllm)", disable=not progress)
+        # vLLM reports the kept support only under top-k (top-p alone with mask replay is
+        # refused by check_vllm)
+        truncated = top_k > 0
         reply = self._call({
             "op": "sample", "prompts": [r[m.bool()].tolist() for r, m in zip(ids, attn)],
             "n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "max_tokens": max_new_tokens, "stop_ids": self.eos_ids.tolist(), "seed": seed,
             "support": top_k if truncated else 0,
         })  # fmt: skip
-        bar.update()
-        bar.close()
         toks, mus = reply["tokens"], reply["logp"]
         B, T = len(toks), max(len(t) for t in toks)
         response = torch.full((B, T), self.pad_id, dtype=torch.long)
