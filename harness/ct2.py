@@ -27,7 +27,14 @@ from tqdm.auto import tqdm
 from harness.io import make_temp_dir
 from harness.logprobs import check_sampling, kept_support, process_logits
 from harness.models import cache_dir, weights_sha
-from harness.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
+from harness.rollout import (
+    Rollout,
+    check_request,
+    copy_weights,
+    encode_prompts,
+    eos_ids,
+    pack_rollout,
+)  # fmt: skip
 
 # CPU compute types: int8_float32 = int8 GEMMs (int8 weights × dynamically quantised int8
 # activations), float32 elsewhere; `int8` resolves to the same on CPU; int16 weights and GEMMs
@@ -197,27 +204,5 @@ class Ct2Engine:
                 toks[b], mus[b] = tok, mu
                 if truncated:
                     sups[b] = kept_support(logp)
-        T = max(len(t) for t in toks)
-        B = len(toks)
-        response = torch.full((B, T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(B, T)
-        logp_mu = torch.zeros(B, T)
-        for b, (t, mu) in enumerate(zip(toks, mus)):
-            response[b, : len(t)], mask[b, : len(t)], logp_mu[b, : len(t)] = t, 1.0, mu
-        support = None
-        if truncated:
-            K = max(s.shape[1] for s in sups)
-            support = torch.full((B, T, K), -1, dtype=torch.long)
-            for b, s in enumerate(sups):
-                support[b, : s.shape[0], : s.shape[1]] = s
-        dev = self.device
-        return Rollout(
-            prompt_ids=ids.to(dev),
-            prompt_mask=attn.to(dev),
-            response_ids=response.to(dev),
-            response_mask=mask.to(dev),
-            logp_mu=logp_mu.to(dev),
-            support=None if support is None else support.to(dev),
-            prompt_index=torch.arange(len(prompts)).repeat_interleave(n).to(dev),
-            temperature=temperature,
-        )
+        return pack_rollout(ids, attn, toks, mus, sups if truncated else None, self.pad_id, n,
+                            temperature, self.device)  # fmt: skip

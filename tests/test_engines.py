@@ -47,20 +47,32 @@ def test_logp_mu_is_faithful_chi_square(tiny_llama, temperature, top_p, top_k):
         top_k=top_k,
         seed=1,
     )
+    law = assert_faithful_law(model, ro, temperature, top_p, top_k, atol=1e-6)
+    assert law.sum() == pytest.approx(1.0, abs=0.02)  # recorded probs of what was seen
+
+
+def assert_faithful_law(model, ro, temperature, top_p, top_k, atol, support=False):
+    """`ro`: one-token samples of the prompt [5, 6, 7] from an engine holding `model`'s weights.
+    The per-token law implied by the recorded logp_mu is the processed law of the model's logits
+    (within `atol`), nothing is sampled outside its support, the draws follow it (chi-square) and
+    the raw T = 1 law is rejected when it differs (negative control); with `support`, the kept
+    support the engine recorded for mask replay is the law's. Returns the recorded law."""
     V = model.config.vocab_size
     counts = torch.bincount(ro.response_ids[:, 0], minlength=V).double()
-    # the per-token law implied by the recorded logp_mu must be the one sampled from
     law = torch.zeros(V, dtype=torch.float64)
     law[ro.response_ids[:, 0]] = ro.logp_mu[:, 0].double().exp()
-    assert law.sum() == pytest.approx(1.0, abs=0.02)  # recorded probs of what was seen
     with torch.no_grad():
         z = model(torch.tensor([[5, 6, 7]])).logits[0, -1]
     probs = process_logits(z[None], temperature, top_k, top_p)[0].double().exp()
-    assert torch.allclose(law[counts > 0], probs[counts > 0], atol=1e-6)
+    assert torch.allclose(law[counts > 0], probs[counts > 0], atol=atol)
     assert counts[probs == 0].sum() == 0  # nothing sampled outside the support
     assert _chi2_pvalue(counts, probs) > 1e-3
     if temperature != 1.0 or top_p < 1.0:  # negative control: the raw T=1 law must be rejected
         assert _chi2_pvalue(counts, z.double().softmax(-1)) < 1e-6
+    if support:
+        kept = ro.support[0, 0]
+        assert set(kept[kept >= 0].tolist()) == set(torch.nonzero(probs > 0)[:, 0].tolist())
+    return law
 
 
 def test_identical_numerics_reproduce_trainer_logprobs(tiny_llama, device):

@@ -13,10 +13,9 @@ import signal
 
 import pytest
 import torch
-from test_engines import _chi2_pvalue
+from test_engines import _sharpened, assert_faithful_law
 
 from harness.engines import Engine
-from harness.logprobs import process_logits
 from harness.models import load_model, tiny_llama
 from harness.vllm_engine import VllmEngine, WorkerDied, default_python
 
@@ -72,27 +71,12 @@ def test_rollouts_are_a_function_of_the_seed(tiny):
 )
 def test_logp_mu_is_faithful_chi_square(tiny, temperature, top_p, top_k):
     model, tok, eng = tiny
-    model = copy.deepcopy(model)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # a law with a head and a tail
+    model, _ = _sharpened((copy.deepcopy(model), tok))
     eng.load_weights_from_state(model.state_dict())
     ro = eng.generate([[5, 6, 7]], n=6000, max_new_tokens=1, temperature=temperature,
                       top_p=top_p, top_k=top_k, seed=1)  # fmt: skip
-    V = model.config.vocab_size
-    counts = torch.bincount(ro.response_ids[:, 0], minlength=V).double()
-    law = torch.zeros(V, dtype=torch.float64)
-    law[ro.response_ids[:, 0]] = ro.logp_mu[:, 0].double().exp()
-    with torch.no_grad():
-        z = model(torch.tensor([[5, 6, 7]])).logits[0, -1]
-    probs = process_logits(z[None], temperature, top_k, top_p)[0].double().exp()
-    assert torch.allclose(law[counts > 0], probs[counts > 0], atol=1e-4)
-    assert counts[probs == 0].sum() == 0
-    assert _chi2_pvalue(counts, probs) > 1e-3
-    if temperature != 1.0 or top_p < 1.0:  # negative control: the raw T = 1 law is rejected
-        assert _chi2_pvalue(counts, z.double().softmax(-1)) < 1e-6
-    if top_k:  # the kept support vLLM reports, for mask replay
-        kept = ro.support[0, 0]
-        assert set(kept[kept >= 0].tolist()) == set(torch.nonzero(probs > 0)[:, 0].tolist())
+    # vLLM reports the kept support under top-k, for mask replay
+    assert_faithful_law(model, ro, temperature, top_p, top_k, atol=1e-4, support=bool(top_k))
 
 
 def test_a_dead_worker_is_an_error_naming_the_engine_and_its_log():
