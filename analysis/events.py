@@ -15,6 +15,7 @@ in-kind endpoints) and the figures (each run's event marked on its trajectory).
                  deleted mass grows several-fold while clamp's does not)
   loops          the terminal-loop rate over the last 20% of steps (OPSD §4); an event when
                  any response there ends in a loop
+  margins        how close a run came to the surge and collapse thresholds (for nulls)
 """
 
 from __future__ import annotations
@@ -80,6 +81,28 @@ def loops(run: pd.DataFrame, tail: float = 0.2) -> tuple[bool, float]:
     last = s[s.step > s.step.max() * (1 - tail)]["repetition_terminal_loop_rate"]
     rate = float(last.mean())
     return rate > 0, rate
+
+
+def margins(run: pd.DataFrame, warmup: int = 20, window: int = WINDOW) -> dict:
+    """How close a run came to each event, as the ratio its threshold is stated in (for a null:
+    the dose-response of a phenomenon that did not happen):
+      entropy_peak   max running mean of entropy / its steps 1–10 mean   (surge at ≥ 2)
+      reward_final   final running mean of reward / its best after the warm-up (collapse < 0.5)
+      reward_trough  the deepest fall of that running mean below its best so far (collapse
+                     needs < 0.5 and no recovery)
+    NaN where the run did not log the metric."""
+    out = {"entropy_peak": np.nan, "reward_final": np.nan, "reward_trough": np.nan}
+    s = run.sort_values("step").set_index("step")
+    if "entropy_mean" in s and s.entropy_mean.notna().any():
+        base = s.entropy_mean[s.index <= window].mean()
+        out["entropy_peak"] = float(running_mean(run, "entropy_mean", window).max() / base)
+    if "reward_mean" in s and s.reward_mean.notna().any():
+        r = running_mean(run, "reward_mean", window)
+        after = r[r.index > warmup].dropna()
+        if not after.empty and after.max() > 0:
+            out["reward_final"] = float(after.iloc[-1] / after.max())
+            out["reward_trough"] = float((after / after.cummax()).min())
+    return out
 
 
 def _first(hit: pd.Series) -> tuple[bool, float]:

@@ -4,7 +4,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.events import collapse, entropy_guard, escalation, loops, run_events, surge
+from analysis.events import (
+    collapse,
+    entropy_guard,
+    escalation,
+    loops,
+    margins,
+    run_events,
+    surge,
+)
 
 
 def _run(**cols) -> pd.DataFrame:
@@ -62,3 +70,35 @@ def test_run_events_one_row_per_run_and_nan_for_metrics_a_run_did_not_log():
     assert ev.loc["a", "surge"] == 1.0 and ev.loc["a", "surge_at"] == 15.0
     assert ev.loc["b", "surge"] == 0.0 and np.isnan(ev.loc["b", "surge_at"])
     assert np.isnan(ev.loc["a", "loops"])  # no repetition column in these runs
+
+
+def test_margins_say_how_close_a_run_came_by_hand():
+    """Entropy 1.0 for steps 1–10, 1.5 for 40, then 1.2: the running mean peaks at 1.5 → 1.5×
+    (surge needs 2×). Reward 0.4 for 40 steps, 0.3 for 20, 0.36 for 20: running mean best 0.4,
+    deepest 0.3 (0.75× the best), final 0.36 (0.9×)."""
+    ent = [1.0] * 10 + [1.5] * 40 + [1.2] * 30
+    rew = [0.4] * 40 + [0.3] * 20 + [0.36] * 20
+    m = margins(_run(entropy_mean=ent, reward_mean=rew))
+    assert m == pytest.approx({"entropy_peak": 1.5, "reward_final": 0.9, "reward_trough": 0.75})
+    assert np.isnan(margins(_run(entropy_mean=ent))["reward_final"])
+
+
+def test_how_close_table_one_row_per_run_with_events_margins_and_escalation():
+    """Two runs of a dose: σ 1 surges at step 15 (entropy 1 → 3) with its deleted mass 0.01·step
+    (slope 1.0 per 100 steps); σ 0.5 stays flat (peak 1×, no mechanism logged)."""
+    from analysis.how_close import markdown, table
+
+    n = 100
+    late = [np.nan] * (n - 1)
+    hot = _run(entropy_mean=[1.0] * 10 + [3.0] * (n - 10), reward_mean=[0.3] * n,
+               mask_frac=0.01 * np.arange(1, n + 1), eval_acc=late + [0.2])  # fmt: skip
+    flat = _run(entropy_mean=[1.0] * n, reward_mean=[0.3] * n, mask_frac=[0.0] * n,
+                eval_acc=[0.25] + late[1:] + [0.3])  # fmt: skip
+    df = pd.concat([hot.assign(run="h", arm="reject", seed=0, sigma=1.0),
+                    flat.assign(run="f", arm="reject", seed=0, sigma=0.5)])  # fmt: skip
+    t = table(df).set_index("sigma")
+    assert t.loc[1.0, "surge"] == "step 15" and t.loc[0.5, "surge"] == "—"
+    assert t.loc[1.0, "entropy_peak"] == 3.0 and t.loc[0.5, "entropy_peak"] == 1.0
+    assert t.loc[1.0, "slope/100"] == pytest.approx(1.0) and t.loc[0.5, "mechanism"] == "none"
+    assert t.loc[0.5, "eval first → last"] == "0.250 → 0.300"
+    assert markdown(t.reset_index()).count("\n") == 3  # header, rule, 2 rows
