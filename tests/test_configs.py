@@ -83,6 +83,8 @@ def test_every_preset_exists():
         "fp8_full_pipeline",
         "surge_pilot",
         "surge_confirm",
+        "surge_position",
+        "collapse_pilot",
         "opsd_long_pilot",
         "nsr_dose",
         "cis_dose",
