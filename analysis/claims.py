@@ -215,12 +215,19 @@ def aa_values(values: pd.Series, control: str, offset: int) -> pd.Series:
     return pd.concat({"A/A": twin, control: base}, names=["arm", "seed"])
 
 
-def in_kind_counts(df: pd.DataFrame, arms: list[str], warmup: int = 20) -> str:
+def in_kind_counts(
+    df: pd.DataFrame, arms: list[str], warmup: int = 20, aa_offset: int | None = None
+) -> str:
     """Per arm, the runs in which each phenomenon happened (analysis.events), with the median
-    step of the surge: "surge 2/5 (at 61) vs 0/5; collapse ...; guard ...; loops ..."."""
+    step of the surge: "surge 2/5 (at 61) vs 0/5; collapse ...; guard ...; loops ...". With an
+    A/A cell (`aa_offset`), the last arm's runs on seeds ≥ aa_offset are counted apart, last:
+    "surge 7/8 (at 80) vs 0/8 vs A/A 0/8"."""
     ev = run_events(df[df.complete], warmup=warmup)
     if ev.empty:
         return "—"
+    if aa_offset:
+        ev.loc[(ev.arm == arms[-1]) & (ev.seed >= aa_offset), "arm"] = "A/A"
+        arms = [*arms, "A/A"]
     parts = []
     for name in ("surge", "collapse", "entropy_guard", "loops"):
         if ev[name].isna().all():
@@ -230,7 +237,7 @@ def in_kind_counts(df: pd.DataFrame, arms: list[str], warmup: int = 20) -> str:
             e = ev[ev.arm == arm][name].dropna()
             at = ev[(ev.arm == arm) & (ev[name] == 1)][f"{name}_at"]
             when = f" (at {at.median():.0f})" if name == "surge" and len(at) else ""
-            arm_txt.append(f"{int(e.sum())}/{len(e)}{when}")
+            arm_txt.append(f"{'A/A ' if arm == 'A/A' else ''}{int(e.sum())}/{len(e)}{when}")
         parts.append(f"{name.replace('_', ' ')} " + " vs ".join(arm_txt))
     return "; ".join(parts)
 
@@ -282,7 +289,9 @@ def claims(root: Path) -> pd.DataFrame:
                 "where": ", ".join(f"{k}={v}" for k, v in (ep.get("where") or {}).items()),
                 "seeds_planned": prereg["seeds"], "status": status,
                 "kind": kind(ep, res["verdict"]),
-                "in_kind": in_kind_counts(d_cell, [tr, ct], ep.get("warmup", 20)),
+                "in_kind": in_kind_counts(
+                    d_cell, [tr, ct], ep.get("warmup", 20), prereg.get("aa_offset")
+                ),
                 "aa": mark(aa, ep) if aa is not None else None,
                 "mechanism_treatment": mechanism_summary(m_cell, d_cell, tr),
                 "mechanism_control": mechanism_summary(m_cell, d_cell, ct), **res,

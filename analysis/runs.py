@@ -274,9 +274,12 @@ def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> 
 
 def mechanism_caption(root: Path, exp: str, df: pd.DataFrame, arms: list[str]) -> str:
     """The figure caption's mechanism check: one line per arm shown (mechanism.csv + the
-    summary's per-step mechanism metrics)."""
+    summary's per-step mechanism metrics), over the runs `df` shows (an A/A cell the figure
+    leaves out is left out here too)."""
     path = Path(root) / exp / "mechanism.csv"
     mech = pd.read_csv(path) if path.exists() else None
+    if mech is not None:
+        mech = mech[mech.run.isin(set(df.run))]
     shown = [a for a in arms if a in set(df.arm)]
     return "\n".join(f"{a}: {mechanism_summary(mech, df, a)}" for a in shown)
 

@@ -211,6 +211,13 @@ def test_an_in_kind_endpoint_counts_runs_in_which_the_entropy_surged():
     assert res["verdict"] == "reproduced" and kind(ep, res["verdict"]) == "in kind"
     assert res["mde"] == ">= 4/5 vs 0/5"
     assert in_kind_counts(df, ["T", "C"]).startswith("surge 4/5 (at 15) vs 0/5")
+    # an A/A cell (the control again on seeds + 100, one of them surging) is counted apart
+    aa = _entropy_runs({"C": 1}).assign(seed=lambda d: d.seed + 100, run=lambda d: d.run + "aa")
+    both = pd.concat([df, aa])
+    assert in_kind_counts(both, ["T", "C"], aa_offset=100).startswith(
+        "surge 4/5 (at 15) vs 0/5 vs A/A 1/5 (at 15)"
+    )
+    assert in_kind_counts(both, ["T", "C"]).startswith("surge 4/5 (at 15) vs 1/10")  # pooled
     win = {"name": "w", "metric": "entropy_mean", "reduce": "window_mean", "window": [20, 30],
            "test": "paired_t", "predicted": "greater"}  # fmt: skip
     assert kind(win, "reproduced") == "in sign" and kind(ep, "not resolved") == "neither"

@@ -72,22 +72,14 @@ def results(tmp_path_factory):
 def test_the_caption_quotes_each_arms_mechanism_check(tmp_path):
     from analysis.runs import mechanism_caption
 
-    df = pd.DataFrame({"arm": ["A", "A"], "complete": [True, True], "mask_frac": [0.1, 0.3]})
+    df = pd.DataFrame({"run": ["r0", "r0"], "arm": ["A", "A"], "complete": [True, True],
+                       "mask_frac": [0.1, 0.3]})  # fmt: skip
     (tmp_path / "x").mkdir()
-    pd.DataFrame(
-        [
-            {
-                "arm": "A",
-                "trained": True,
-                "oob_frac": 0.062,
-                "fork_oob_share": 0.92,
-                "forks_deleted": 0.28,
-                "neg_low_clip": 0.15,
-                "pos_high_clip": 0.056,
-                "sampler_reward": 0.2,
-            }
-        ]
-    ).to_csv(tmp_path / "x" / "mechanism.csv", index=False)
+    shown = {"run": "r0", "arm": "A", "trained": True, "oob_frac": 0.062, "fork_oob_share": 0.92,
+             "forks_deleted": 0.28, "neg_low_clip": 0.15, "pos_high_clip": 0.056,
+             "sampler_reward": 0.2}  # fmt: skip
+    left_out = {**shown, "run": "aa", "oob_frac": 0.5}  # a run the figure does not show
+    pd.DataFrame([shown, left_out]).to_csv(tmp_path / "x" / "mechanism.csv", index=False)
     text = mechanism_caption(tmp_path, "x", df, ["A", "B"])
     assert text == ("A: step 0: 6.2% out of band, 92% of it on forks, 28% of forks outside; "
                     "A<0 below 1−ε 15.0% vs A>0 above 1+ε 5.6%; μ reward 0.200; "
