@@ -39,7 +39,8 @@ from harness.prereg import check_prereg
 
 EXPERIMENTS = ["collapse_reject_vs_clamp", "collapse_drivers", "fp8_entropy_surge",
                "fp8_full_pipeline", "nsr_vs_decay", "opsd_repetition", "cis_vs_tis",
-               "phase_diagram", "nsr_dose", "cis_dose", "surge_confirm", "nsr_confirm"]  # fmt: skip
+               "phase_diagram", "nsr_dose", "cis_dose", "surge_confirm", "nsr_confirm",
+               "collapse_confirm"]  # fmt: skip
 ALPHA = 0.05
 
 

@@ -35,7 +35,7 @@ PREREG = {
     [("collapse_reject_vs_clamp", 5), ("fp8_entropy_surge", 5), ("nsr_vs_decay", 5),
      ("opsd_repetition", 5), ("cis_vs_tis", 5), ("phase_diagram", 3), ("collapse_drivers", 5),
      ("fp8_full_pipeline", 5), ("nsr_dose", 3), ("cis_dose", 3), ("surge_confirm", 8),
-     ("nsr_confirm", 10)],
+     ("nsr_confirm", 10), ("collapse_confirm", 10)],
 )  # fmt: skip
 def test_the_presets_preregistrations_validate_and_their_sweeps_cover_the_planned_seeds(exp, least):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):

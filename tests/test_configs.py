@@ -85,6 +85,7 @@ def test_every_preset_exists():
         "surge_confirm",
         "surge_position",
         "nsr_confirm",
+        "collapse_confirm",
         "collapse_pilot",
         "opsd_long_pilot",
         "nsr_dose",
