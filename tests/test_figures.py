@@ -21,6 +21,7 @@ ARMS = {  # experiment -> arms as (objective, arm label)
     "opsd_repetition": [("opsd_fkl", "clipped FKL (τ = 0.05)"), ("opsd_fkl", "exact FKL")],
     "cis_vs_tis": [("cis", "CIS (λ = 2.3)"), ("tis", "TIS (C = 2)")],
     "collapse_drivers": [("band", "reject (band [0.5, 2])"), ("cispo", "clamp (CISPO [0.5, 2])")],
+    "collapse_confirm": [("band", "reject (band [0.5, 2])"), ("cispo", "clamp (CISPO [0.5, 2])")],
     "surge_confirm": [
         ("ppo_clip", "π_old := μ (std clip)"),
         ("ppo_clip", "π_old recomputed (std clip)"),
