@@ -74,12 +74,16 @@ def escalation(run: pd.DataFrame, col: str) -> tuple[float, float]:
     return slope, float(y[-q:].mean() / first) if first > 0 else float("nan")
 
 
+def tail_mean(run: pd.DataFrame, col: str, tail: float = 0.2) -> float:
+    """The mean of `col` over the last `tail` of the steps (steps > (1 − tail)·last step)."""
+    s = run.sort_values("step")
+    return float(s[s.step > s.step.max() * (1 - tail)][col].mean())
+
+
 def loops(run: pd.DataFrame, tail: float = 0.2) -> tuple[bool, float]:
     """(event, rate): the mean terminal-loop rate over the last `tail` of the steps; an event
     when it is > 0."""
-    s = run.sort_values("step")
-    last = s[s.step > s.step.max() * (1 - tail)]["repetition_terminal_loop_rate"]
-    rate = float(last.mean())
+    rate = tail_mean(run, "repetition_terminal_loop_rate", tail)
     return rate > 0, rate
 
 

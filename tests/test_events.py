@@ -102,3 +102,21 @@ def test_how_close_table_one_row_per_run_with_events_margins_and_escalation():
     assert t.loc[1.0, "slope/100"] == pytest.approx(1.0) and t.loc[0.5, "mechanism"] == "none"
     assert t.loc[0.5, "eval first → last"] == "0.250 → 0.300"
     assert markdown(t.reset_index()).count("\n") == 3  # header, rule, 2 rows
+
+
+def test_how_close_reports_loops_and_opsd_r_at_copy_positions_by_hand():
+    """10 steps; the last 20% are steps 9 and 10. Loop rate 0.5 at step 3 only → tail rate 0,
+    worst step 0.5. R copy 0.2 then 0.4 at steps 9, 10 → 0.30; non-copy 0.9 → 0.90; entropy copy
+    1.0, non-copy 0.5 throughout."""
+    from analysis.how_close import table
+
+    n = 10
+    run = _run(entropy_mean=[1.0] * n, reward_mean=[0.3] * n,
+               repetition_terminal_loop_rate=[0, 0, 0.5] + [0] * 7,
+               repetition_copy_exit_mass_ratio=[0.1] * 8 + [0.2, 0.4],
+               repetition_noncopy_exit_mass_ratio=[0.9] * n,
+               repetition_copy_entropy=[1.0] * n, repetition_noncopy_entropy=[0.5] * n)  # fmt: skip
+    row = table(run.assign(run="r", arm="clipped", seed=0)).iloc[0]
+    assert row["loops (rate, last 20%)"] == "0.0000" and row["loops (max step)"] == "0.5000"
+    assert row["R copy / non-copy (last 20%)"] == "0.30 / 0.90"
+    assert row["entropy copy / non-copy"] == "1.00 / 0.50"
