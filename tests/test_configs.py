@@ -88,6 +88,7 @@ def test_every_preset_exists():
         "collapse_confirm",
         "collapse_pilot",
         "opsd_long_pilot",
+        "opsd_long_topp",
         "nsr_dose",
         "cis_dose",
     }
