@@ -38,8 +38,9 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
         if pd.notna(events.loc[run, "loops"]):  # where the run logged the loop rate
             row["loops (rate, last 20%)"] = f"{events.loc[run, 'loops_at']:.4f}"
             row["loops (max step)"] = f"{g.repetition_terminal_loop_rate.max():.4f}"
-        if "repetition_copy_exit_mass_ratio" in g:  # OPSD §4's mechanism: R where the student
-            # copies the teacher's context vs elsewhere (1 = the teacher's exit mass kept)
+        # OPSD §4's mechanism, where logged: R (the student's share of the teacher's exit mass;
+        # 1 = kept) where the student copies its own earlier tokens vs elsewhere
+        if g.get("repetition_copy_exit_mass_ratio", pd.Series()).notna().any():
             r = [tail_mean(g, f"repetition_{w}_exit_mass_ratio") for w in ["copy", "noncopy"]]
             h = [tail_mean(g, f"repetition_{w}_entropy") for w in ["copy", "noncopy"]]
             row["R copy / non-copy (last 20%)"] = f"{r[0]:.2f} / {r[1]:.2f}"

@@ -120,3 +120,5 @@ def test_how_close_reports_loops_and_opsd_r_at_copy_positions_by_hand():
     assert row["loops (rate, last 20%)"] == "0.0000" and row["loops (max step)"] == "0.5000"
     assert row["R copy / non-copy (last 20%)"] == "0.30 / 0.90"
     assert row["entropy copy / non-copy"] == "1.00 / 0.50"
+    grpo = run.assign(run="g", arm="grpo", seed=0, repetition_copy_exit_mass_ratio=np.nan)
+    assert "R copy / non-copy (last 20%)" not in table(grpo)  # not logged: no column
