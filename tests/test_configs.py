@@ -349,3 +349,14 @@ def test_arms_are_declared_once_and_name_every_run(name, tmp_path):
         overrides = [as_override(k, v) for k, v in values.items()]
         run, _, _ = load("train", [f"experiment={name}", *extra, *overrides], tmp_path)
         assert arm_label(cfg.name, OmegaConf.to_container(run, resolve=True)) == label, overrides
+
+
+@pytest.mark.parametrize("name", ["opsd_long_pilot", "opsd_long_topp"])
+def test_opsd_long_presets_use_the_shipped_opsd_long_model(name, tmp_path):
+    """The long-response OPSD testbed's recipe (the preset's model.warmstart) is the shipped
+    `opsd-long` model's: no 41-minute build on a fresh machine."""
+    from harness.warmstart import recipe_hash, resolve_recipe, shipped_manifest
+
+    cfg, _, _ = load("train", [f"experiment={name}"], tmp_path)
+    recipe = resolve_recipe(cfg.task.name, **OmegaConf.to_container(cfg.model.warmstart))
+    assert shipped_manifest()[recipe_hash(recipe)]["name"] == "opsd-long"

@@ -275,6 +275,10 @@ def test_the_default_recipes_ship_and_match_their_manifest():
         assert json.loads((W.SHIPPED / h / "recipe.json").read_text()) == recipe
         model, _ = W.load_task_model(recipe["task"], progress=False, **manifest[h]["overrides"])
         assert weights_sha(model) == manifest[h]["weights_sha"]
+    for h, entry in manifest.items():  # every shipped model, the OPSD testbed's too
+        assert (W.SHIPPED / h / "model.safetensors").exists(), entry["name"]  # else: a build
+        model, _ = W.load_task_model(entry["task"], progress=False, **entry["overrides"])
+        assert weights_sha(model) == entry["weights_sha"], entry["name"]
 
 
 def test_privileged_frac_trains_on_the_teacher_format_and_keeps_the_shipped_hashes(monkeypatch):
