@@ -767,6 +767,20 @@ def test_the_entropy_driver_switches_training_prompts_to_the_harder_task(tmp_pat
         setup.validate(_cfg(tmp_path / "c", "drivers.harder_at=2", "+drivers.harder.digts=2"))
 
 
+def test_opsd_with_the_student_as_its_own_teacher_has_zero_loss_and_gradient(tmp_path):
+    """Ground truth for the teacher/student alignment in the training loop: with a teacher
+    prompt that hides the solution ("{prompt}"), the teacher at step 1 is the student, so at
+    every response position p = q, the exact FKL Σ p log(p/q) is 0 and its gradient q − p is 0
+    (a teacher read one position off, or with another prompt, gives a positive loss)."""
+    opsd = ["objective=opsd_fkl", "distill.enabled=true", "objective.top_k=null", "steps=1"]
+    train.run(_cfg(tmp_path / "a", *opsd, "distill.teacher_prompt='{prompt}'"))
+    (m,) = _metrics(tmp_path / "a")
+    assert abs(m["loss"]) < 1e-6 and m["grad/norm"] < 1e-5, m
+    train.run(_cfg(tmp_path / "b", *opsd))  # the privileged teacher differs from the student
+    (m,) = _metrics(tmp_path / "b")
+    assert m["loss"] > 1e-4 and m["grad/norm"] > 1e-4, m
+
+
 def test_the_opsd_mechanism_check_compares_teacher_and_student(tmp_path):
     """Ground truth: with a teacher prompt that hides the solution ("{prompt}") the teacher is
     the student (a frozen copy of the same initial weights): equal accuracy and log-prob."""
