@@ -273,9 +273,7 @@ def test_the_default_recipes_ship_and_match_their_manifest():
         h = W.recipe_hash(recipe)
         assert manifest[h]["name"] == name, (name, h)
         assert json.loads((W.SHIPPED / h / "recipe.json").read_text()) == recipe
-        model, _ = W.load_task_model(recipe["task"], progress=False, **manifest[h]["overrides"])
-        assert weights_sha(model) == manifest[h]["weights_sha"]
-    for h, entry in manifest.items():  # every shipped model, the OPSD testbed's too
+    for h, entry in manifest.items():  # every shipped model loads: these and the OPSD testbed's
         assert (W.SHIPPED / h / "model.safetensors").exists(), entry["name"]  # else: a build
         model, _ = W.load_task_model(entry["task"], progress=False, **entry["overrides"])
         assert weights_sha(model) == entry["weights_sha"], entry["name"]
