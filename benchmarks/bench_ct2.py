@@ -42,9 +42,50 @@ def workloads():
 
 
 def timed(engine, prompts, n, max_new, seed) -> tuple[float, int]:
+    """Seconds for one rollout and its response tokens (an engine may return the count itself)."""
     t = time.perf_counter()
     ro = engine.generate(prompts, n=n, max_new_tokens=max_new, seed=seed)
-    return time.perf_counter() - t, int(ro.response_mask.sum())
+    tokens = ro if isinstance(ro, int) else int(ro.response_mask.sum())
+    return time.perf_counter() - t, tokens
+
+
+def compare(engines: dict, prompts, n, max_new, rounds, ref) -> dict:
+    """One rollout per engine per round, interleaved so the machine's drift hits every engine
+    alike; each time is divided by `ref`'s in the same round, reported as min / median / max."""
+    for e in engines.values():  # warm-up
+        timed(e, prompts[:2], 2, 4, 0)
+    times = {k: [] for k in engines}
+    tokens = {k: [] for k in engines}
+    for r in range(rounds):
+        for k, e in engines.items():
+            s, t = timed(e, prompts, n, max_new, seed=r)
+            times[k].append(s)
+            tokens[k].append(t)
+    rows = {}
+    for k in engines:
+        ratio = sorted(t / h for t, h in zip(times[k], times[ref]))
+        rows[k] = {
+            "median_s": statistics.median(times[k]),
+            "tokens_per_rollout": statistics.median(tokens[k]),
+            f"ratio_to_{ref}": {"min": ratio[0], "median": statistics.median(ratio),
+                                "max": ratio[-1]},
+        }  # fmt: skip
+        print(f"  {k:12s} {rows[k]['median_s']:7.2f} s  ({rows[k]['tokens_per_rollout']:.0f} "
+              f"tokens)  ratio to {ref} {ratio[0]:.2f} / {statistics.median(ratio):.2f} / "
+              f"{ratio[-1]:.2f}")  # fmt: skip
+    return rows
+
+
+def sync_cost(engine, model, times: int = 3) -> list[float]:
+    """Seconds of `load_weights_from_state` with changed weights (each call perturbs them by 1e-4
+    Gaussian noise, so no engine can skip the work as unchanged)."""
+    moved = copy.deepcopy(model)
+    for _ in range(times):
+        with torch.no_grad():
+            for p in moved.parameters():
+                p.add_(1e-4 * torch.randn_like(p))
+        engine.load_weights_from_state(moved.state_dict())
+    return engine.sync_s[-times:]
 
 
 def main() -> None:
@@ -62,42 +103,13 @@ def main() -> None:
             "ct2_float32": Ct2Engine(copy.deepcopy(model), tok, "float32"),
             "ct2_int8": Ct2Engine(copy.deepcopy(model), tok, "int8"),
         }
-        for e in engines.values():  # warm-up
-            timed(e, prompts[:2], 2, 4, 0)
-        times = {k: [] for k in engines}
-        tokens = {k: [] for k in engines}
-        for r in range(a.rounds):
-            for k, e in engines.items():
-                s, t = timed(e, prompts, n, max_new, seed=r)
-                times[k].append(s)
-                tokens[k].append(t)
-        moved = copy.deepcopy(model)
-        sync = []
-        for _ in range(3):
-            with torch.no_grad():
-                for p in moved.parameters():
-                    p.add_(1e-4 * torch.randn_like(p))
-            engines["ct2_int8"].load_weights_from_state(moved.state_dict())
-            sync.append(engines["ct2_int8"].sync_s[-1])
-        rows = {}
         print(f"\n{name}: {len(prompts)} prompts × {n}, {max_new} new tokens, {a.threads} threads")
+        rows = compare(engines, prompts, n, max_new, a.rounds, ref="hf")
         for k in engines:
-            ratio = sorted(t / h for t, h in zip(times[k], times["hf"]))
-            rows[k] = {
-                "median_s": statistics.median(times[k]),
-                "tokens_per_rollout": statistics.median(tokens[k]),
-                "ratio_to_hf": {
-                    "min": ratio[0],
-                    "median": statistics.median(ratio),
-                    "max": ratio[-1],
-                },  # fmt: skip
-            }
             if k != "hf":
                 rows[k]["load_s_median"] = statistics.median(engines[k].load_s)
-            print(f"  {k:12s} {rows[k]['median_s']:7.2f} s  ({rows[k]['tokens_per_rollout']:.0f} "
-                  f"tokens)  ratio to hf {ratio[0]:.2f} / {statistics.median(ratio):.2f} / "
-                  f"{ratio[-1]:.2f}" + (f"  (Generator load {rows[k]['load_s_median']:.2f} s)"
-                                        if k != "hf" else ""))  # fmt: skip
+                print(f"  {k:12s} Generator load {rows[k]['load_s_median']:.2f} s (in its time)")
+        sync = sync_cost(engines["ct2_int8"], model)
         rows["sync_s"] = {"median": statistics.median(sync), "all": sync}
         print(f"  weight sync (checksum + save + convert): {statistics.median(sync):.2f} s")
         out[name] = rows

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_ct2 import compare, sync_cost  # the same interleaved timing as the ct2 benchmark
 
 from harness.engines import Engine
 from harness.io import write_json_atomic
@@ -50,13 +51,6 @@ class HFGenerate:
         return int((out[:, ids.shape[1] :] != self.tok.pad_token_id).sum())
 
 
-def timed(engine, prompts, n, max_new, seed) -> tuple[float, int]:
-    t = time.perf_counter()
-    ro = engine.generate(prompts, n=n, max_new_tokens=max_new, seed=seed)
-    tokens = ro if isinstance(ro, int) else int(ro.response_mask.sum())
-    return time.perf_counter() - t, tokens
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -78,39 +72,13 @@ def main() -> None:
            platform.machine(), "vllm_version": vllm.version, "vllm_startup_s": startup}  # fmt: skip
     print(f"SmolLM2-135M, {len(prompts)} prompts, 48 new tokens, fp32, {a.threads} threads")
     print(f"  vLLM start-up (weights written, worker, model load, warm-up): {startup:.1f} s")
-    for e in engines.values():  # warm-up
-        timed(e, prompts[:2], 2, 4, 0)
     for n in (2, 8):
-        times = {k: [] for k in engines}
-        tokens = {k: [] for k in engines}
-        for r in range(a.rounds):
-            for k, e in engines.items():
-                s, ntok = timed(e, prompts, n, 48, seed=r)
-                times[k].append(s)
-                tokens[k].append(ntok)
-        rows = {}
         print(f"\n{len(prompts)} prompts × {n}")
-        for k in engines:
-            ratio = sorted(x / h for x, h in zip(times[k], times["hf_generate"]))
-            rows[k] = {
-                "median_s": statistics.median(times[k]),
-                "tokens_per_rollout": statistics.median(tokens[k]),
-                "ratio_to_hf_generate": {"min": ratio[0], "median": statistics.median(ratio),
-                                         "max": ratio[-1]},
-            }  # fmt: skip
-            print(f"  {k:12s} {rows[k]['median_s']:7.2f} s  ({rows[k]['tokens_per_rollout']:.0f} "
-                  f"tokens)  ratio to hf_generate {ratio[0]:.2f} / "
-                  f"{statistics.median(ratio):.2f} / {ratio[-1]:.2f}")  # fmt: skip
-        out[f"n{n}"] = rows
-    moved = copy.deepcopy(model)
-    for _ in range(3):
-        with torch.no_grad():
-            for p in moved.parameters():
-                p.add_(1e-4 * torch.randn_like(p))
-        vllm.load_weights_from_state(moved.state_dict())
-    out["sync_s"] = {"median": statistics.median(vllm.sync_s), "all": vllm.sync_s}
-    print(f"\n  weight sync (write + reload + re-pack + cache reset): "
-          f"{statistics.median(vllm.sync_s):.2f} s")  # fmt: skip
+        out[f"n{n}"] = compare(engines, prompts, n, 48, a.rounds, ref="hf_generate")
+    sync = sync_cost(vllm, model)
+    out["sync_s"] = {"median": statistics.median(sync), "all": sync}
+    sync_s = statistics.median(sync)
+    print(f"\n  weight sync (write + reload + re-pack + cache reset): {sync_s:.2f} s")
     vllm.close()
     path = Path("results/bench/vllm.json")
     path.parent.mkdir(parents=True, exist_ok=True)
