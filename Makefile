@@ -86,6 +86,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.real_engine_beta results/real_engine_beta_vllm --compare results/real_engine_beta results/measure  # vLLM β
 	$(PY) -m analysis.collapse_reject_vs_clamp
 	$(PY) -m analysis.collapse_drivers
+	$(PY) -m analysis.collapse_confirm
 	$(PY) -m analysis.fp8_entropy_surge
 	$(PY) -m analysis.surge_confirm
 	$(PY) -m analysis.fp8_full_pipeline
@@ -95,7 +96,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.phase_diagram
 	$(PY) -m analysis.dose_response  # NSR and CIS over β, with their base experiments' σ point
 	$(PY) -m analysis.alpha_calibration
-	for e in collapse_pilot surge_pilot_sigma surge_position opsd_repetition opsd_long_pilot opsd_long_topp; do $(PY) -m analysis.how_close $$e > /dev/null; done  # how close each null came
+	for e in collapse_pilot collapse_confirm surge_pilot_sigma surge_position opsd_repetition opsd_long_pilot opsd_long_topp; do $(PY) -m analysis.how_close $$e > /dev/null; done  # how close each null came
 	$(PY) -m analysis.claims  # results/claims.md: every pre-registered endpoint and its verdict
 
 gpu-check:  ## on a GPU machine (no venv: the image's python3 + the carried .whl/): scripts/gpu/README.md

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from analysis.common import set_theme
 from analysis.panels import panel_row
-from analysis.runs import load_summary, results_root, smooth
+from analysis.runs import load_summary, results_root, smooth, without_aa
 
 EXP = "collapse_reject_vs_clamp"
 ARMS = ["reject (band [0.5, 2])", "reject (mask [0.5, 2])", "trust-unbounded (raw r)"]
@@ -26,7 +26,7 @@ PANELS = [  # column, title, y label
 
 def draw(root: Path, exp: str, title: str) -> None:
     """The collapse figure of `exp` (this experiment, or collapse_drivers: the same arms)."""
-    df = load_summary(root, exp)
+    df = without_aa(load_summary(root, exp), root, exp)
     runs = smooth(df[df.complete], [c for c, *_ in PANELS[1:]])
     set_theme()
     panel_row(runs, PANELS, ARMS, "optimizer step", title, root, exp)

@@ -26,9 +26,10 @@ def ci95(x) -> tuple[float, float]:
     return float(x.mean() - h), float(x.mean() + h)
 
 
-# the in-kind event each column's panel marks on its runs (analysis.events), and its marker
-EVENT_MARKS = {"entropy_mean": ("surge", "^"), "reward_mean": ("collapse", "v"),
-               "repetition_terminal_loop_rate": ("loops", "o")}  # fmt: skip
+# the in-kind events each column's panel marks on its runs (analysis.events), and their markers
+EVENT_MARKS = {"entropy_mean": (("surge", "^"), ("entropy_guard", "X")),
+               "reward_mean": (("collapse", "v"),),
+               "repetition_terminal_loop_rate": (("loops", "o"),)}  # fmt: skip
 
 
 def curve(
@@ -44,15 +45,15 @@ def curve(
     marker = "o" if col == "eval_acc" else None
     sns.lineplot(d, x="step", y=col, hue="arm", hue_order=hue_order, errorbar=ci95, ax=ax,
                  marker=marker, legend=legend)  # fmt: skip
-    name, symbol = EVENT_MARKS.get(col, (None, None))
     for arm, colour in zip(hue_order, sns.color_palette(n_colors=len(hue_order))):
         for run, g in d[d.arm == arm].groupby("run"):
             ax.plot(g.step, g[col], color=colour, lw=0.6, alpha=0.3, zorder=1)
-            hit = events[(events.run == run) & (events.get(name, 0) == 1)] if name else events[:0]
-            if len(hit):
-                at = g.step.max() if name == "loops" else hit[f"{name}_at"].iloc[0]
-                y = np.interp(at, g.step, g[col])
-                ax.plot(at, y, symbol, color=colour, mec="black", mew=0.6, ms=6, zorder=5)
+            for name, symbol in EVENT_MARKS.get(col, ()):
+                hit = events[(events.run == run) & (events.get(name, 0) == 1)]
+                if len(hit):
+                    at = g.step.max() if name == "loops" else hit[f"{name}_at"].iloc[0]
+                    y = np.interp(at, g.step, g[col])
+                    ax.plot(at, y, symbol, color=colour, mec="black", mew=0.6, ms=6, zorder=5)
 
 
 def panel_row(
@@ -101,7 +102,7 @@ def panel_row(
     n = df.groupby("arm").seed.nunique().min()
     fig.suptitle(
         f"{title}; mean, 95% t-CI, {n} seeds; thin: each run "
-        "(▲ entropy surge, ▼ reward collapse, ● terminal loops)"
+        "(▲ entropy surge, ✖ entropy guard, ▼ reward collapse, ● terminal loops)"
     )
     bottom = 0.0
     if caption:  # the mechanism check under the panels: a null counts only beside it

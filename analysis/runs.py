@@ -286,16 +286,31 @@ def mechanism_caption(root: Path, exp: str, df: pd.DataFrame, arms: list[str]) -
 
 def load_prereg(root: Path, exp: str) -> dict:
     """The pre-registration (`prereg` node) the training runs of `exp` were made under; {} when
-    they carry none; raises when two runs carry different ones."""
+    they carry none. A registration may be amended by adding keys before the runs they govern
+    (e.g. an A/A cell's `aa_offset`), never by changing or removing one: runs made under the
+    registration and runs made under its amendment summarise together under the amendment; any
+    other difference between two runs' registrations raises."""
     seen: dict[str, list[str]] = {}
     for run in sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl")):
         prereg = yaml.safe_load((run / "config.yaml").read_text()).get("prereg") or {}
         seen.setdefault(yaml.safe_dump(prereg, sort_keys=True), []).append(run.name)
-    if len(seen) > 1:
+    if not seen:
+        return {}
+    versions = [yaml.safe_load(k) for k in seen]
+    latest = max(versions, key=len)
+    if any(any(k not in latest or latest[k] != v for k, v in p.items()) for p in versions):
         groups = "; ".join(f"{len(v)} runs like {v[0]}" for v in seen.values())
         raise ValueError(f"{root / exp}: runs made under different pre-registrations ({groups}); "
                          "move the stale runs out before summarising")  # fmt: skip
-    return yaml.safe_load(next(iter(seen))) if seen else {}
+    return latest
+
+
+def without_aa(df: pd.DataFrame, root: Path, exp: str) -> pd.DataFrame:
+    """The runs of the registered arms: drops an A/A cell (the control arm again on seeds ≥ the
+    registration's `aa_offset`), which analysis.claims reads apart and the figures leave out."""
+    path = Path(root) / exp / "prereg.yaml"
+    offset = (yaml.safe_load(path.read_text()) or {}).get("aa_offset") if path.exists() else None
+    return df[df.seed < offset] if offset else df
 
 
 def load_summary(root: Path, exp: str) -> pd.DataFrame:

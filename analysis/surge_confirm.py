@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from analysis.common import set_theme
 from analysis.panels import panel_row
-from analysis.runs import load_summary, results_root, smooth
+from analysis.runs import load_summary, results_root, smooth, without_aa
 
 EXP = "surge_confirm"
 ARMS = ["π_old := μ (std clip)", "π_old recomputed (std clip)"]
@@ -23,12 +23,8 @@ PANELS = [  # column, title, y label
 
 def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
-    df = load_summary(root, EXP)
-    prereg_seeds = df.seed < 1000  # the A/A cell (seeds + 1000) is read by analysis.claims
-    df = smooth(
-        df[df.complete & prereg_seeds],
-        ["entropy_mean", "reward_mean", "response_len", "clip_frac_low"],
-    )
+    df = without_aa(load_summary(root, EXP), root, EXP)
+    df = smooth(df[df.complete], ["entropy_mean", "reward_mean", "response_len", "clip_frac_low"])
     set_theme()
     title = "Gaussian logit noise σ = 2 in μ, staleness 2, lr 4e-4, countdown task model"
     panel_row(df, PANELS, ARMS, "optimizer step", title, root, EXP, legend_on=(0,))

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis.runs import METRICS
+from analysis.runs import METRICS, without_aa
 from analysis.summarize import main as summarize
 
 ARMS = {  # experiment -> arms as (objective, arm label)
@@ -135,7 +135,14 @@ def test_summarize_reads_raw_runs(tmp_path):
     mech = pd.read_csv(tmp_path / "nsr_vs_decay" / "mechanism.csv")
     assert mech.oob_frac.tolist() == [0.1, 0.2] and mech.trained.all()
     assert yaml.safe_load((tmp_path / "nsr_vs_decay" / "prereg.yaml").read_text()) == {"claim": "c"}
-    cfg = {**_cfg(1), "prereg": {"claim": "changed after the first run"}}  # another prereg
+    # an amendment that adds a key (an A/A cell) governs the runs made under it and the earlier
+    # ones together; one that changes a registered key is refused
+    cfg = {**_cfg(1), "prereg": {"claim": "c", "aa_offset": 1000}}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    prereg = yaml.safe_load((tmp_path / "nsr_vs_decay" / "prereg.yaml").read_text())
+    assert prereg == {"claim": "c", "aa_offset": 1000}
+    cfg = {**_cfg(1), "prereg": {"claim": "changed after the first run", "aa_offset": 1000}}
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ValueError, match="different pre-registrations"):
         summarize(["nsr_vs_decay", "--results", str(tmp_path)])
@@ -277,3 +284,11 @@ def test_dose_response_tests_each_noise_level_as_registered(tmp_path):
     ] == pytest.approx(0.02)
     main(["--results", str(tmp_path)])
     assert (tmp_path / "nsr_dose" / "fig_nsr_dose.png").stat().st_size > 10_000
+
+
+def test_figures_leave_out_the_aa_cell(tmp_path):
+    df = pd.DataFrame({"seed": [0, 1, 100, 101], "arm": ["C"] * 4})
+    (tmp_path / "exp").mkdir()
+    assert without_aa(df, tmp_path, "exp").seed.tolist() == [0, 1, 100, 101]  # no prereg.yaml
+    (tmp_path / "exp" / "prereg.yaml").write_text(yaml.safe_dump({"aa_offset": 100}))
+    assert without_aa(df, tmp_path, "exp").seed.tolist() == [0, 1]
