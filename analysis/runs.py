@@ -306,8 +306,9 @@ def load_prereg(root: Path, exp: str) -> dict:
 
 
 def without_aa(df: pd.DataFrame, root: Path, exp: str) -> pd.DataFrame:
-    """The runs of the registered arms: drops an A/A cell (the control arm again on seeds ≥ the
-    registration's `aa_offset`), which analysis.claims reads apart and the figures leave out."""
+    """The runs of the registered arms: drops every run on a seed ≥ the registration's
+    `aa_offset` (only the A/A cell, the control arm again, runs there), which analysis.claims
+    reads apart and the figures leave out."""
     path = Path(root) / exp / "prereg.yaml"
     offset = (yaml.safe_load(path.read_text()) or {}).get("aa_offset") if path.exists() else None
     return df[df.seed < offset] if offset else df

@@ -76,9 +76,9 @@ def main() -> None:
         print(f"\n{len(prompts)} prompts × {n}")
         out[f"n{n}"] = compare(engines, prompts, n, 48, a.rounds, ref="hf_generate")
     sync = sync_cost(vllm, model)
-    out["sync_s"] = {"median": statistics.median(sync), "all": sync}
-    sync_s = statistics.median(sync)
-    print(f"\n  weight sync (write + reload + re-pack + cache reset): {sync_s:.2f} s")
+    median = statistics.median(sync)
+    out["sync_s"] = {"median": median, "all": sync}
+    print(f"\n  weight sync (write + reload + re-pack + cache reset): {median:.2f} s")
     vllm.close()
     path = Path("results/bench/vllm.json")
     path.parent.mkdir(parents=True, exist_ok=True)
