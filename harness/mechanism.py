@@ -37,10 +37,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from harness import config as _config  # noqa: F401  (registers train_schema)
+from harness import distributed
 from harness.diagnostics import BAND, FORK_P, fork_oob_share, out_of_band, out_of_band_frac
+from harness.distributed import ONE, Ranks
 from harness.io import write_json_atomic, write_text_atomic
 from harness.setup import build_setup, rollout_sampling, step_seed, validate
-from harness.step import collect
+from harness.step import collect, gather_batch, share_rows
 
 EPS = (0.2, 0.28)
 
@@ -94,15 +96,17 @@ def band_and_eps(objective: DictConfig) -> tuple[tuple[float, float], tuple[floa
 
 
 @torch.no_grad()
-def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
+def run(cfg: DictConfig, validated: bool = False, ranks: Ranks = ONE) -> dict[str, Any]:
     """Build the run's setup (harness.setup), score `cfg.mechanism_batches` rollout batches at
     θ = θ_old and return the token-weighted check plus the sampler's reward. harness.train
-    calls it before step 1 of every run (its mechanism.json)."""
+    calls it before step 1 of every run (its mechanism.json). Across ranks every rank calls it
+    (the trainer is sharded: its forwards are collectives): each samples and scores its share
+    of every batch, and every rank returns the global batch's check, the one-rank run's."""
     if not validated:
         validate(cfg)  # every config check, the swept-axis nodes included
     if cfg.mechanism_batches < 1:
         raise ValueError(f"mechanism_batches={cfg.mechanism_batches}; valid: >= 1")
-    s = build_setup(cfg)
+    s = build_setup(cfg, ranks)
     sampling = rollout_sampling(cfg, s.task)
     band, eps = band_and_eps(cfg.objective)
     parts, rewards, seen = [], [], []
@@ -110,11 +114,14 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
         seed = step_seed(cfg.seed, step)  # the run's own first prompts and samples
         problems = s.task.sample(cfg.rollout.prompts_per_step, "train", seed)
         seen += problems
-        reward = partial(s.task.rollout_rewards, problems, tokenizer=s.tok)
+        own, batch_rows = share_rows(ranks, len(problems), cfg.rollout.group_size)
+        reward = partial(s.task.rollout_rewards, problems[own], tokenizer=s.tok)
         batch, _, rew = collect(
-            s.sampler, s.policy, [p.prompt for p in problems], reward, sampling, seed=seed,
-            advantage=cfg.advantage, mask_replay=cfg.engine.mask_replay,
+            s.sampler, s.policy, [p.prompt for p in problems[own]], reward, sampling, seed=seed,
+            advantage=cfg.advantage, mask_replay=cfg.engine.mask_replay, batch_rows=batch_rows,
         )  # fmt: skip
+        if ranks.world > 1:
+            batch, rew = gather_batch(batch), distributed.gather_rows(rew)
         parts.append((batch.log_rho, batch.p_t, batch.advantages, batch.mask))
         rewards.append(rew)
     s.sampler.close()

@@ -13,6 +13,7 @@ call these; `update_distill` is the self-distillation (OPSD) update.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -96,6 +97,27 @@ def collect(
     if old_policy is not None:
         batch = batch.with_old(old_policy.logp(ro, mask_replay=mask_replay), logp_old_source)
     return batch, ro, rewards
+
+
+def gather_batch(batch: TokenBatch) -> TokenBatch:
+    """Every rank's rows of the step's batch, in rank order (the global batch), each field
+    right-padded to the widest rank's tokens."""
+    T = distributed.max_over_ranks(batch.mask.shape[1])
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return TokenBatch(
+        **{k: None if v is None else distributed.gather_rows(v, T) for k, v in fields.items()}
+    )
+
+
+def share_rows(
+    ranks: Ranks, n_prompts: int, group_size: int
+) -> tuple[slice, tuple[int, int] | None]:
+    """This rank's prompts of a step's n_prompts and its rows' place in the step's batch: each
+    rank samples whole groups with the draws the one-rank run gives those rows, so the gathered
+    batch is the one-rank batch (None on one rank)."""
+    own = ranks.share(n_prompts)
+    rows = (own.start * group_size, n_prompts * group_size) if ranks.world > 1 else None
+    return own, rows
 
 
 class MasterAdamW:

@@ -26,7 +26,6 @@ the evaluation see the global batch; rank 0 alone writes files and shows the pro
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import shutil
@@ -72,7 +71,7 @@ from harness.setup import (
     validate,
     validate_ranks,
 )
-from harness.step import collect, update, update_distill
+from harness.step import collect, gather_batch, share_rows, update, update_distill
 from harness.tasks import Task
 from harness.tracking import Tracker, plain_line
 
@@ -101,16 +100,6 @@ def rollout_dials(batch: TokenBatch) -> dict[str, float]:
 def mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for d in ds for k in d}
     return {k: float(np.mean([d[k] for d in ds if k in d])) for k in sorted(keys)}
-
-
-def gather_batch(batch: TokenBatch) -> TokenBatch:
-    """Every rank's rows of the step's batch, in rank order (the global batch), each field
-    right-padded to the widest rank's tokens."""
-    T = distributed.max_over_ranks(batch.mask.shape[1])
-    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    return TokenBatch(
-        **{k: None if v is None else distributed.gather_rows(v, T) for k, v in fields.items()}
-    )
 
 
 @torch.no_grad()
@@ -201,12 +190,16 @@ def start(cfg: DictConfig) -> tuple[Path, Setup, int, dict]:
     lead = ranks.rank == 0
     if lead:
         write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    if lead and cfg.mechanism_batches and not (run_dir / "mechanism.json").exists():
+    # every rank takes the same decision (rank 0's view of the folder): the check is collective
+    if cfg.mechanism_batches and distributed.all_true(not (run_dir / "mechanism.json").exists()):
         # the step-0 mechanism check on a setup of its own, before the run's seeds are set:
-        # its draws (fresh noise, model init) cannot move the run's (tested)
+        # its draws (fresh noise, model init) cannot move the run's (tested); across ranks each
+        # scores its share of the batches with the sharded trainer, as a training step does
         from harness import mechanism
 
-        write_json_atomic(run_dir / "mechanism.json", mechanism.run(cfg, validated=True))
+        check = mechanism.run(cfg, validated=True, ranks=ranks)
+        if lead:
+            write_json_atomic(run_dir / "mechanism.json", check)
     distributed.barrier()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -234,9 +227,8 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
     harder = s.harder_task is not None and step >= cfg.drivers.harder_at
     task = s.harder_task if harder else s.task
     problems = task.sample(cfg.rollout.prompts_per_step, "train", seed)
-    G, n = cfg.rollout.group_size, len(problems)
-    problems = problems[s.ranks.share(n)]  # this rank's groups
-    batch_rows = (s.ranks.share(n).start * G, n * G) if s.ranks.world > 1 else None
+    own, batch_rows = share_rows(s.ranks, len(problems), cfg.rollout.group_size)
+    problems = problems[own]  # this rank's groups
     snr = {}
     if getattr(s.objective, "adaptive", False) and step > 1 and (step - 1) % s.objective.every == 0:
         snr = snr_refresh(s, cfg, task, step)
