@@ -13,6 +13,7 @@ process group: the one-process code path, unchanged.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -76,8 +77,16 @@ def active() -> bool:
 
 
 def close() -> None:
+    """End the process group cleanly: once every rank is here (no collective of any rank is in
+    flight), the garbage of the sharded trainer (FSDP's communication state, whose gloo work
+    holds tensors) is freed while the interpreter is whole, then the group is destroyed. Freed
+    later, during interpreter shutdown, that state aborts the process (SIGABRT: "terminate
+    called without an active exception") after a run that finished: a failed job to Slurm."""
     if active():
+        dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 # --- FSDP2 -------------------------------------------------------------------------------------

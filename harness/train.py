@@ -313,6 +313,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         update_meta(run_dir, last_step=cfg.steps)
         print(end_line(run_dir, last, cfg.steps, first, time.time() - t_start), flush=True)
     s.sampler.close()
+    del s  # the sharded trainer goes before its process group (distributed.close)
     distributed.close()
     return last
 

@@ -15,11 +15,15 @@ TINY = ["model=tiny-llama", "++task.digits=1", "steps=2", "progress=false"]
 
 
 def _sweep(tmp_path, *overrides):
+    """The driver with a fake sbatch (recording its calls, then failing) and a fake srun on PATH
+    (submitit's executor looks for srun before it submits): no Slurm cluster is needed."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    fake = bin_dir / "sbatch"
-    fake.write_text(f"#!/bin/sh\necho called >> {tmp_path}/sbatch-calls\nexit 1\n")
-    fake.chmod(0o755)
+    for name, body in [("sbatch", f"echo called >> {tmp_path}/sbatch-calls\nexit 1"),
+                       ("srun", "exit 1")]:  # fmt: skip
+        fake = bin_dir / name
+        fake.write_text(f"#!/bin/sh\n{body}\n")
+        fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
     args = ["-m", "hydra/launcher=slurm", *TINY, f"hydra.sweep.dir={tmp_path}/sweep", *overrides]
     r = subprocess.run([sys.executable, "-m", "harness.train", *args], cwd=ROOT, env=env,

@@ -56,13 +56,16 @@ def _cluster_up() -> bool:
 
 def _cannot_run() -> str | None:
     if sys.platform != "linux":
-        return "Slurm tests need Linux"
+        return "Slurm tests need Linux (scripts/slurm/up.sh starts a cluster there)"
     if os.geteuid() != 0:
         return "no running Slurm cluster, and starting one (scripts/slurm/up.sh) needs root"
     if not shutil.which("apt-get") or not shutil.which("dpkg-query"):
         return "no running Slurm cluster, and scripts/slurm/up.sh needs Debian's apt-get"
     if not os.path.isdir("/sys/fs/cgroup") or not os.listdir("/sys/fs/cgroup"):
-        return "/sys/fs/cgroup is not mounted: slurmd cannot run here"
+        return (
+            "no running Slurm cluster, and /sys/fs/cgroup is not mounted: the slurmd of "
+            "scripts/slurm/up.sh cannot run here"
+        )
     return None
 
 
