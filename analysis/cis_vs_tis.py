@@ -10,7 +10,6 @@ from analysis.panels import panel_row
 from analysis.runs import load_summary, results_root, smooth
 
 EXP = "cis_vs_tis"
-ARMS = ["CIS (λ = 2.3)", "TIS (C = 2)"]
 PANELS = [  # column, title, y label
     ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
@@ -26,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df[df.complete], [c for c, *_ in PANELS[1:]])
     set_theme()
     title = "Student-t (ν=3, σ=0.5) logit noise in μ, π_old recomputed, countdown task model"
-    panel_row(df, PANELS, ARMS, "optimizer step", title, root, EXP)
+    panel_row(df, PANELS, "optimizer step", title, root, EXP)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,6 @@ from analysis.panels import panel_row
 from analysis.runs import load_summary, results_root, smooth, without_aa
 
 EXP = "collapse_reject_vs_clamp"
-ARMS = ["reject (band [0.5, 2])", "reject (mask [0.5, 2])", "trust-unbounded (raw r)"]
-ARMS += ["clamp (CISPO [0.5, 2])"]
-ARMS += ["shrink (snr_shrink)", "shrink (adaptive SNR, K = 10)"]
 PANELS = [  # column, title, y label
     ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
@@ -25,11 +22,12 @@ PANELS = [  # column, title, y label
 
 
 def draw(root: Path, exp: str, title: str) -> None:
-    """The collapse figure of `exp` (this experiment, or collapse_drivers: the same arms)."""
+    """The collapse figure of `exp` (this experiment, collapse_drivers or collapse_confirm: the
+    same panels, each over the arms its own preset declares)."""
     df = without_aa(load_summary(root, exp), root, exp)
     runs = smooth(df[df.complete], [c for c, *_ in PANELS[1:]])
     set_theme()
-    panel_row(runs, PANELS, ARMS, "optimizer step", title, root, exp)
+    panel_row(runs, PANELS, "optimizer step", title, root, exp)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,14 +10,11 @@ from analysis.panels import panel_row
 from analysis.runs import load_summary, results_root, smooth
 
 EXP = "fp8_entropy_surge"
-ARMS = ["π_old := μ (std clip)", "π_old recomputed (std clip)"]  # the β stand-in
-ARMS += ["high precision", "FP8 (std clip)", "FP8 E5M2 W8A8 (std clip)", "FP8 + TIS"]
-ARMS += ["FP8 + calibrated", "FP8 + CIS"]
-PANELS = [  # column, title, y label, arms shown
-    ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)", ARMS),
-    ("reward_mean", "Training reward (5-step mean)", "mean reward", ARMS),
-    ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)", ARMS),
-    ("clip_frac_low", "Mechanism: A<0 clipped at 1−ε", "fraction of tokens", ARMS),
+PANELS = [  # column, title, y label
+    ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)"),
+    ("reward_mean", "Training reward (5-step mean)", "mean reward"),
+    ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
+    ("clip_frac_low", "Mechanism: A<0 clipped at 1−ε", "fraction of tokens"),
 ]
 
 
@@ -27,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df[df.complete], ["entropy_mean", "reward_mean", "clip_frac_low"])
     set_theme()
     title = "Student-t (ν=3, σ=0.5) logit noise in μ (FP8 stand-in), countdown task model"
-    panel_row(df, PANELS, ARMS, "optimizer step", title, root, EXP, legend_on=(0, len(PANELS) - 1))
+    panel_row(df, PANELS, "optimizer step", title, root, EXP, legend_on=(0, len(PANELS) - 1))
 
 
 if __name__ == "__main__":

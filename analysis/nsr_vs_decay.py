@@ -10,7 +10,6 @@ from analysis.panels import panel_row
 from analysis.runs import load_summary, results_root, smooth
 
 EXP = "nsr_vs_decay"
-ARMS = ["hard clip", "NSR", "deterministic decay", "push control"]
 PANELS = [  # column, title, y label
     ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
@@ -27,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df, [c for c, *_ in PANELS[1:]])
     set_theme()
     title = "Gaussian logit noise σ=0.5, π_old := μ, countdown task model"
-    panel_row(df, PANELS, ARMS, "optimizer step", title, root, EXP)
+    panel_row(df, PANELS, "optimizer step", title, root, EXP)
 
 
 if __name__ == "__main__":

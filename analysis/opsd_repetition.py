@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df, [c for c, *_ in PANELS[:4]])
     set_theme()
     title = "OPSD, 3-digit arithmetic task model (teacher: initial model + reference solution)"
-    panel_row(df, PANELS, sorted(set(df.arm)), "distillation update", title, root, EXP)
+    panel_row(df, PANELS, "distillation update", title, root, EXP)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pandas as pd
 from analysis.claims import endpoint_marks
 from analysis.common import savefig
 from analysis.events import run_events
-from analysis.runs import load_summary, mechanism_caption
+from analysis.runs import figure_arms, load_summary, mechanism_caption
 
 # two-sided 95% Student-t quantiles by degrees of freedom (1.96 beyond 9)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -59,28 +59,30 @@ def curve(
 def panel_row(
     df: pd.DataFrame,
     panels: list[tuple],
-    arms: list[str],
     xlabel: str,
     title: str,
     root: Path,
     exp: str,
     legend_on: tuple[int, ...] = (0,),
 ) -> None:
-    """One row of `curve` panels of experiment `exp`, each (column, title, y label[, arms
-    shown]); mean and 95% t-interval over seeds; the mechanism check of each arm shown as the
-    caption (`mechanism_caption`), each pre-registered endpoint's test under its panel's title
-    (analysis.claims.endpoint_marks); written as root/exp/fig_<exp>.png and .pdf (`savefig`)."""
+    """One row of `curve` panels of experiment `exp`, each (column, title, y label), over the
+    arms its preset declares (`figure_arms`: in the preset's order; an undeclared arm raises);
+    mean and 95% t-interval over seeds; the mechanism check of each arm shown as the caption
+    (`mechanism_caption`), each pre-registered endpoint's test under its panel's title
+    (analysis.claims.endpoint_marks); written as root/exp/fig_<exp>.png and .pdf (`savefig`).
+    An arm that did not log a panel's column (calibrated bounds of a fixed clip) is left out of
+    that panel only."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
+    arms = figure_arms(exp, df)
     caption, marks = mechanism_caption(root, exp, df, arms), endpoint_marks(root, exp)
     raw = load_summary(root, exp)  # events on the unsmoothed steps
     events = run_events(raw[raw.complete & raw.run.isin(set(df.run))])
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.2))
-    for i, (ax, (col, panel_title, ylabel, *shown)) in enumerate(zip(axes, panels)):
-        d = df[df.arm.isin(shown[0])] if shown else df
-        curve(ax, d, col, arms, legend=i in legend_on, events=events)
+    for i, (ax, (col, panel_title, ylabel)) in enumerate(zip(axes, panels)):
+        curve(ax, df, col, arms, legend=i in legend_on, events=events)
         ax.set(title=panel_title, xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
         if col in marks:  # the registered test: treatment − control, paired by seed
             ax.set_title(panel_title, pad=24)
@@ -95,9 +97,9 @@ def panel_row(
             )
         if i in legend_on:
             sns.move_legend(ax, "best", ncol=2, fontsize=8, title=None)
-        if d[col].isna().all():  # a metric these runs did not log
+        if df[col].isna().all():  # a metric these runs did not log
             ax.text(0.5, 0.5, "not recorded in these runs", transform=ax.transAxes, ha="center")
-        elif d[col].max() == 0:  # a line on the axis is invisible: say it
+        elif df[col].max() == 0:  # a line on the axis is invisible: say it
             ax.text(0.5, 0.5, "0 in every run and step", transform=ax.transAxes, ha="center")
     n = df.groupby("arm").seed.nunique().min()
     fig.suptitle(

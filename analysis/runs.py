@@ -115,6 +115,25 @@ def preset_arms(exp: str) -> dict:
     return preset_config(exp).get("arms") or {}
 
 
+def figure_arms(exp: str, df: pd.DataFrame) -> list[str]:
+    """The arms a figure of `exp` draws: those experiment=<exp> declares (`arms`), in its order
+    (the legend's and the colours'); the runs' own labels, sorted, when it declares none (each run
+    is then named by its objective). A run whose arm the preset does not declare (an arm renamed
+    or dropped after the runs) raises: a figure never leaves runs out unseen."""
+    declared = list(preset_arms(exp))
+    if not declared:
+        return sorted(set(df.arm))
+    unknown = sorted(set(df.arm) - set(declared))
+    if unknown:
+        raise ValueError(
+            f"{exp}: runs of arm(s) {', '.join(map(repr, unknown))}, which "
+            f"experiments/experiment/{exp}.yaml does not declare (declared: "
+            f"{', '.join(map(repr, declared))}); declare them there: a run keeps the label "
+            "its config.yaml's `arms` gave it when it ran"
+        )
+    return declared
+
+
 def arm_label(exp: str, cfg: dict) -> str:
     """The legend name of a run's arm: the label of the first arm, of those its preset declares
     (`arms` in the run's config, else today's experiment=<exp>), whose values its config

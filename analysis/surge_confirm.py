@@ -11,7 +11,6 @@ from analysis.panels import panel_row
 from analysis.runs import load_summary, results_root, smooth, without_aa
 
 EXP = "surge_confirm"
-ARMS = ["π_old := μ (std clip)", "π_old recomputed (std clip)"]
 PANELS = [  # column, title, y label
     ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)"),
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
@@ -27,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     df = smooth(df[df.complete], ["entropy_mean", "reward_mean", "response_len", "clip_frac_low"])
     set_theme()
     title = "Gaussian logit noise σ = 2 in μ, staleness 2, lr 4e-4, countdown task model"
-    panel_row(df, PANELS, ARMS, "optimizer step", title, root, EXP, legend_on=(0,))
+    panel_row(df, PANELS, "optimizer step", title, root, EXP, legend_on=(0,))
 
 
 if __name__ == "__main__":

@@ -227,6 +227,27 @@ def hydra_record() -> str | None:
 
 OmegaConf.register_new_resolver("hydra_record", hydra_record, replace=True)
 
+
+def objective_aggregation(objective: str) -> str:
+    """The aggregation group's default option for `objective=<objective>` (train.yaml's defaults
+    list): the `aggregation` keyword default of the objective's builder, so that one objective
+    name is one loss in harness.train and in harness.measure (which builds `alpha.objective`
+    with the builder's defaults). GSPO's is seq-mean-token-mean: GSPO (2507.18071) averages its
+    per-sequence objective over the group's responses, and verl runs it with that loss_agg_mode;
+    the others' is token-mean. `aggregation=` on the command line, or a preset's
+    `override /aggregation`, chooses another."""
+    import inspect
+
+    from harness.objectives import OBJECTIVES
+
+    if objective not in OBJECTIVES:  # composition then fails naming the valid objectives
+        return "token-mean"
+    param = inspect.signature(OBJECTIVES[objective]).parameters.get("aggregation")
+    return "token-mean" if param is None else param.default  # opsd_fkl: no aggregation
+
+
+OmegaConf.register_new_resolver("objective_aggregation", objective_aggregation, replace=True)
+
 # The swept-axis nodes and the warm-start recipe are open: their keys are the builders' keyword
 # arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked
 # against the builder's signature before any compute (harness.launch.check_nodes).

@@ -177,7 +177,9 @@ def _check_node(table: dict[str, Callable], node: Any, what: str) -> None:
 def check_nodes(cfg: DictConfig) -> None:
     """Check the swept-axis nodes present in `cfg` (task, noise, extra_noise,
     objective, aggregation) against their registries and builders' signatures: unknown names,
-    unknown keyword arguments and wrong scalar types raise here, before any model is loaded."""
+    unknown keyword arguments and wrong scalar types raise here, before any model is loaded;
+    each axis's name is its group file's (`check_group_names`)."""
+    check_group_names(cfg)
     if "task" in cfg:
         from harness.tasks import TASKS
 
@@ -196,6 +198,51 @@ def check_nodes(cfg: DictConfig) -> None:
             _check_node(OBJECTIVES, cfg.objective, "objective")
         if "aggregation" in cfg:
             check_aggregation(cfg.aggregation)
+
+
+GROUP_NODES = ("task", "noise", "objective", "aggregation")  # node {name, **kwargs} = group file
+CONFIGS = REPO / "experiments"
+
+
+def group_option_name(group: str, option: str) -> str | None:
+    """The `name` that option `option` of config group `group` sets: its file under
+    experiments/, else the node harness code stored in Hydra's ConfigStore (harness.measure's
+    fp8_block_w8a8); None for an option found in neither."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.plugins.config_source import ConfigLoadError
+
+    path = CONFIGS / group / f"{option}.yaml"
+    if path.exists():
+        return OmegaConf.load(path).get("name")
+    try:
+        return ConfigStore.instance().load(f"{group}/{option}.yaml").node.get("name")
+    except ConfigLoadError:
+        return None
+
+
+def check_group_names(cfg: DictConfig) -> None:
+    """Each swept axis's name is the one its chosen group file sets. Hydra merges `noise.name=X`
+    into the node of the file chosen (noise=none), so the run would get that file's keys, not
+    X's file's (logit.yaml's `seed: ${seed}`: without it every run draws the noise field of the
+    builder's seed 0, whatever its own seed). The group choice is read from the running Hydra
+    job; a config composed outside one (a test's `compose`, a library call) records no choice
+    and is not checked."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    choices = HydraConfig.get().runtime.choices
+    for group in GROUP_NODES:
+        option, node = choices.get(group), cfg.get(group)
+        if option is None or not isinstance(node, DictConfig) or "name" not in node:
+            continue
+        expected = group_option_name(group, option)
+        if expected is not None and node.name != expected:
+            raise ValueError(
+                f"{group}.name={node.name!r} with {group}={option}: the name alone keeps "
+                f"{option}'s keys and drops those of the {group} file for {node.name!r}; "
+                f"use {group}={node.name} (the group choice) instead"
+            )
 
 
 AGGREGATION_KEYS = ("rejected_in_denominator", "norm_len")

@@ -56,7 +56,7 @@ from harness.config import EngineCfg, ModelCfg, open_schema
 from harness.diagnostics import CONF_EDGES, bin_index, identity_check
 from harness.engines import Engine, Rollout
 from harness.io import write_json_atomic, write_text_atomic
-from harness.launch import run_task
+from harness.launch import check_group_names, run_task
 from harness.models import DTYPES, load_model, resolve_device, set_tf32, weights_sha
 from harness.noise import NOISE, layer_amplification
 from harness.objectives import build_objective
@@ -166,6 +166,7 @@ def validate(cfg: DictConfig) -> None:
     gone = [f"{k} is gone: {RETIRED[k]}" for k in RETIRED if cfg.get(k) is not None]
     if gone:
         raise ValueError("; ".join(gone))
+    check_group_names(cfg)  # noise=<name>, not noise.name=<name>
     eng = cfg.engine
     for key, value, valid in [
         ("alpha.mode", cfg.alpha.mode, ("steps", "perturb", "none")),

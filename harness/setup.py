@@ -181,8 +181,10 @@ def validate(cfg: DictConfig) -> None:
     check_prereg(OmegaConf.to_container(cfg.prereg, resolve=True))  # the preset's endpoints
     spec = cfg.model.spec
     if spec == "task-model":
-        from harness.warmstart import resolve_recipe
+        from harness.warmstart import RECIPES, resolve_recipe
 
+        if cfg.task.name not in RECIPES:
+            raise ValueError(task_model_mismatch(cfg.task, tuple(RECIPES)))
         resolve_recipe(cfg.task.name, **OmegaConf.to_container(cfg.model.warmstart, resolve=True))
     elif spec not in BUILTIN_SPECS and not Path(spec).is_dir() and "/" not in spec:
         raise bad("model.spec", spec, f"task-model, {', '.join(BUILTIN_SPECS)}, a local HF folder "
@@ -212,6 +214,19 @@ def validate(cfg: DictConfig) -> None:
             "high-precision recompute, but engine.logp_old_source='trainer' makes them the same "
             "tensor (the clip would silently equal ppo_clip); set engine.logp_old_source=sampler"
         )
+
+
+def task_model_mismatch(task: DictConfig, recipe_tasks: tuple[str, ...]) -> str:
+    """Why model=task-model cannot train `task`: a task model is trained from scratch for one
+    built-in task (its recipe); a dataset needs a real model. A missing dataset file is named
+    too, so that one run finds both."""
+    msg = (f"task={task.name} with model=task-model (the default): a task model is trained only "
+           f"for {', '.join(recipe_tasks)}; task={task.name} needs a real model: "
+           "model.spec=<a Hugging Face folder or hub id>, e.g. model=smollm2-135m")  # fmt: skip
+    path = task.get("path")
+    if path is not None and not Path(str(path)).expanduser().exists():
+        msg += f"; and task.path={str(path)!r} is not a file or folder here"
+    return msg
 
 
 def check_save_final(cfg: DictConfig) -> None:
@@ -321,15 +336,21 @@ def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine,
     return policy, old_policy, sampler, teacher
 
 
+def build_train_objective(cfg: DictConfig) -> Any:
+    """The objective node's loss with the aggregation node's name and denominator convention
+    (opsd_fkl, a distillation loss, takes none)."""
+    name, kw = split_node(cfg.objective)
+    if name != "opsd_fkl":
+        agg_name, agg_kw = split_node(cfg.aggregation)
+        kw.update(aggregation=agg_name, **agg_kw)
+    return build_objective(name, **kw)
+
+
 def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
     set_tf32(cfg.engine.tf32)  # process-wide; the run's one setting
     task, model, tok, identity = build_task_and_model(cfg)
     policy, old_policy, sampler, teacher = build_engines(cfg, model, tok)
     model = policy.model
-    obj_name, obj_kw = split_node(cfg.objective)
-    if obj_name != "opsd_fkl":  # the aggregation node: the name and the denominator convention
-        agg_name, agg_kw = split_node(cfg.aggregation)
-        obj_kw.update(aggregation=agg_name, **agg_kw)
     opt = adamw(  # fp32 master weights when the trainer is bf16/fp16
         model,
         lr=cfg.optim.lr,
@@ -344,7 +365,7 @@ def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
         harder = build(TASKS, task_name, "task", **kw)
     s = Setup(
         task, harder, tok, policy, old_policy, sampler, teacher,
-        build_objective(obj_name, **obj_kw), opt, history, identity,
+        build_train_objective(cfg), opt, history, identity,
         [(n, n.sigma) for n in sampler.noise if hasattr(n, "sigma")], ranks,
     )  # fmt: skip
     history.push(s.trainer)

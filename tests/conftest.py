@@ -34,3 +34,14 @@ def tiny_moe():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_hydra_job_left_behind():
+    """A test that sets Hydra's job config (HydraConfig.set_config, as a job would) leaves it
+    unset again: a later test's plain `compose` is no Hydra job, and the checks that read the
+    job's group choices (harness.launch.check_group_names) must not read an earlier test's."""
+    from hydra.core.hydra_config import HydraConfig
+
+    yield
+    HydraConfig.instance().cfg = None

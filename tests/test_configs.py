@@ -5,6 +5,7 @@ check (`harness.launch.check_nodes`), never on the cluster."""
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ from harness.noise import NOISE
 from harness.objectives import AGGREGATIONS, OBJECTIVES
 from harness.tasks import TASKS
 
-EXP = Path(__file__).resolve().parents[1] / "experiments"
+ROOT = Path(__file__).resolve().parents[1]
+EXP = ROOT / "experiments"
 # harness.measure's presets: the `measure` group (python -m harness.measure measure=<name>)
 MEASURE_PRESETS = sorted(p.stem for p in (EXP / "measure").glob("*.yaml"))
 MODEL_SPECS = {"task-model", "smollm2-135m", "tiny-llama", "tiny-moe"}  # ModelCfg.spec names
@@ -170,17 +172,87 @@ def test_noise_files_state_only_what_differs_from_the_builder():
             assert value != params[key].default, f"{path}: {key}={value!r} restates the default"
 
 
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-def test_objective_name_and_objective_group_are_the_same(name, tmp_path):
-    """`objective.name=X` (the default group's file has no kwargs to leak) == `objective=X`."""
-    from harness.setup import build_objective, split_node
+@pytest.mark.parametrize(
+    "job, overrides, key, option",
+    [
+        ("train", ["noise.name=logit", "noise.sigma=0.3"], "noise.name", "noise=logit"),
+        ("train", ["objective.name=cispo"], "objective.name", "objective=cispo"),
+        ("train", ["aggregation.name=seq-mean-token-mean"], "aggregation.name",
+         "aggregation=seq-mean-token-mean"),
+        ("train", ["task.name=countdown"], "task.name", "task=countdown"),
+        ("train", ["experiment=collapse_reject_vs_clamp", "objective.name=band"],
+         "objective.name", "objective=band"),
+        ("measure", ["noise.name=logit"], "noise.name", "noise=logit"),
+    ],
+)  # fmt: skip
+def test_a_group_name_set_as_a_key_is_refused_naming_the_group_choice(
+    job, overrides, key, option, tmp_path
+):
+    """`noise.name=logit` renames the node of the file chosen (noise=none) and so skips
+    logit.yaml's keys (its `seed: ${seed}`: every run would draw the noise field of seed 0):
+    refused before compute, naming the key, the value and the group choice to use."""
+    cfg, _, _ = load(job, overrides, tmp_path)
+    with pytest.raises(ValueError, match=rf"{key}=.*; use {option} \(the group choice\)"):
+        check_nodes(cfg)
 
-    a, _, _ = load("train", [f"objective={name}"], tmp_path)
-    b, _, _ = load("train", [f"objective.name={name}"], tmp_path)
-    assert a.objective == b.objective == {"name": name}
-    check_nodes(b)
-    (na, kw_a), (nb, kw_b) = split_node(a.objective), split_node(b.objective)
-    assert type(build_objective(na, **kw_a)) is type(build_objective(nb, **kw_b))
+
+@pytest.mark.parametrize(
+    "job, overrides",
+    [("train", ["noise=logit", "noise.name=logit"]), ("train", ["noise=ct2_int8_smollm2"]),
+     ("train", ["objective=cispo", "objective.lo=0.3"]), ("measure", []),
+     ("measure", ["noise=fp8"])],
+)  # fmt: skip
+def test_a_group_choice_passes_the_name_check(job, overrides, tmp_path):
+    """A file whose stem is not its builder's name (a fitted noise, measure's default
+    fp8_block_w8a8) and a name restated as the chosen file's own both pass."""
+    cfg, _, _ = load(job, overrides, tmp_path)
+    check_nodes(cfg)
+
+
+def test_docs_choose_swept_axes_as_groups():
+    """The README's and the docs' commands choose a swept axis as `noise=logit`, never by
+    `noise.name=` (which the start-up check refuses)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pattern = re.compile(r"\b(task|noise|objective|aggregation)\.name=")
+    hits = [
+        f"{p.name}:{i}"
+        for p in docs
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert hits == []
+
+
+@pytest.mark.parametrize("name", sorted(set(OBJECTIVES) - {"opsd_fkl"}))
+def test_an_objective_trains_the_loss_harness_measure_builds(name, tmp_path):
+    """`objective=X` trains with the aggregation X's builder defaults to (gspo:
+    seq-mean-token-mean, each sequence's token mean averaged over sequences, as GSPO and verl
+    aggregate), the loss harness.measure builds for alpha.objective=X (`build_objective(X)`):
+    equal on a batch of ragged lengths, where token-mean and seq-mean-token-mean differ."""
+    import torch
+
+    from harness.objectives import build_objective
+    from harness.setup import build_train_objective
+    from tests.test_objectives import random_batch
+
+    cfg, _, _ = load("train", [f"objective={name}"], tmp_path)
+    logp, batch = random_batch()
+    losses = []
+    for obj in (build_train_objective(cfg), build_objective(name)):
+        torch.manual_seed(0)  # nsr draws its rescues
+        losses.append(obj(logp, batch).loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_an_aggregation_chosen_on_the_command_line_replaces_the_objectives_own(tmp_path):
+    cfg, _, _ = load("train", ["objective=gspo"], tmp_path)
+    assert cfg.aggregation == {"name": "seq-mean-token-mean"}
+    cfg, _, _ = load("train", ["objective=gspo", "aggregation=token-mean"], tmp_path)
+    assert cfg.aggregation == {"name": "token-mean"}
+    cfg, _, _ = load("train", ["aggregation=seq-mean-token-sum-norm", "objective=gspo"], tmp_path)
+    assert cfg.aggregation == {"name": "seq-mean-token-sum-norm"}
+    cfg, _, _ = load("train", ["experiment=collapse_reject_vs_clamp", "objective=gspo"], tmp_path)
+    assert cfg.aggregation == {"name": "seq-mean-token-mean"}
 
 
 def test_swept_nodes_take_keys_without_a_plus(tmp_path):
@@ -318,10 +390,11 @@ def full_grid(sweep: dict) -> list[list[str]]:
 
 
 def as_override(key: str, value) -> str:
-    """An arm's value as a command-line override (objective.name=X is objective=X: the group
-    file holds only the name)."""
+    """An arm's value as a command-line override; a name (`objective.name: X`) as the group
+    choice `objective=X`, as a user chooses it."""
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
-    return f"{key}={text}"
+    group, _, leaf = key.rpartition(".")
+    return f"{group}={text}" if leaf == "name" and group in GROUPS else f"{key}={text}"
 
 
 @pytest.mark.parametrize("name", TRAIN_PRESETS)

@@ -15,10 +15,16 @@ from analysis.runs import METRICS, without_aa
 from analysis.summarize import main as summarize
 
 ARMS = {  # experiment -> arms as (objective, arm label)
-    "collapse_reject_vs_clamp": [("mis", "reject (mask [0.5, 2])"), ("cispo", "clamp (CISPO)")],
+    "collapse_reject_vs_clamp": [
+        ("mis", "reject (mask [0.5, 2])"),
+        ("cispo", "clamp (CISPO [0.5, 2])"),
+    ],
     "fp8_entropy_surge": [("ppo_clip", "high precision"), ("ppo_clip", "FP8 (std clip)")],
     "nsr_vs_decay": [("nsr", "NSR"), ("ppo_clip", "hard clip")],
-    "opsd_repetition": [("opsd_fkl", "clipped FKL (τ = 0.05)"), ("opsd_fkl", "exact FKL")],
+    "opsd_repetition": [
+        ("opsd_fkl", "clipped FKL (τ = 0.05)"),
+        ("opsd_fkl", "exact FKL (τ = none)"),
+    ],
     "cis_vs_tis": [("cis", "CIS (λ = 2.3)"), ("tis", "TIS (C = 2)")],
     "collapse_drivers": [("band", "reject (band [0.5, 2])"), ("cispo", "clamp (CISPO [0.5, 2])")],
     "collapse_confirm": [("band", "reject (band [0.5, 2])"), ("cispo", "clamp (CISPO [0.5, 2])")],
@@ -58,7 +64,7 @@ def results(tmp_path_factory):
     accuracy = {"name": "accuracy", "metric": "eval_acc", "reduce": "last_evals", "n": 2,
                 "test": "paired_t", "predicted": "less"}  # fmt: skip
     prereg = {"claim": "c", "source": "s", "seeds": 3, "treatment": "reject (mask [0.5, 2])",
-              "control": "clamp (CISPO)", "endpoints": [accuracy]}  # fmt: skip
+              "control": "clamp (CISPO [0.5, 2])", "endpoints": [accuracy]}  # fmt: skip
     (root / "collapse_reject_vs_clamp" / "prereg.yaml").write_text(yaml.safe_dump(prereg))
     arms = ("π_old := μ (std clip)", "π_old recomputed (std clip)")
     grid = [("ppo_clip", a, s, k) for a in arms for s in (0.0, 1.0) for k in (0, 2)]
@@ -100,6 +106,20 @@ def test_figure_script_runs_on_fixture(exp, results):
     pngs = list((results / exp).glob("fig_*.png"))
     assert len(pngs) == 1 and pngs[0].stat().st_size > 10_000
     assert pngs[0].with_suffix(".pdf").exists()
+
+
+def test_a_run_of_an_arm_its_preset_does_not_declare_fails_the_figure(tmp_path):
+    """A figure draws the arms its preset declares (experiments/experiment/<exp>.yaml `arms`,
+    in that order: the legend's and the colours'); a run whose arm the preset does not declare
+    (an arm renamed after the runs) fails the figure, naming the arm, instead of vanishing."""
+    fake_summary(tmp_path, "cis_vs_tis", [("tis", "TIS (cap 2)", 0.5, 0),
+                                          ("cis", "CIS (λ = 2.3)", 0.5, 0)])  # fmt: skip
+    with pytest.raises(ValueError, match=r"'TIS \(cap 2\)'.*experiment/cis_vs_tis\.yaml"):
+        importlib.import_module("analysis.cis_vs_tis").main(["--results", str(tmp_path)])
+    from analysis.runs import figure_arms
+
+    df = pd.read_csv(tmp_path / "cis_vs_tis" / "summary.csv").replace("TIS (cap 2)", "TIS (C = 2)")
+    assert figure_arms("cis_vs_tis", df) == ["CIS (λ = 2.3)", "TIS (C = 2)"]
 
 
 def _raw_run(root, name, cfg, steps_done=3, overrides=None, exp="nsr_vs_decay"):
@@ -151,7 +171,7 @@ def test_summarize_reads_raw_runs(tmp_path):
 def test_a_single_run_without_arms_takes_its_label_from_the_builders_defaults(tmp_path):
     cfg = _cfg(0)
     del cfg["objective"]["mode"]  # left to harness.objectives' default (stochastic: NSR)
-    _raw_run(tmp_path, "objective.name=nsr", cfg)
+    _raw_run(tmp_path, "objective=nsr", cfg)
     summarize(["nsr_vs_decay", "--results", str(tmp_path)])
     assert set(pd.read_csv(tmp_path / "nsr_vs_decay" / "summary.csv").arm) == {"NSR"}
 

@@ -38,3 +38,33 @@ def test_a_folder_model_and_a_parquet_dataset_train_through_the_cli(tmp_path):
     assert meta["model"]["weights_sha"] == sha and meta["status"] == "completed"
     cfg = (out / "config.yaml").read_text()
     assert "name: hf" in cfg and "grader" not in cfg  # math-verify: the builder's default
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from harness import config as _schema  # noqa: F401  (registers train_schema)
+
+    with initialize_config_dir(config_dir=str(ROOT / "experiments"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_a_dataset_with_the_default_task_model_names_what_to_pass(tmp_path):
+    """task=hf with model=task-model (the default): a task model knows only arithmetic and
+    countdown, so the error (before any compute) says to pass model.spec=, and names the
+    dataset file when it is missing too."""
+    import pytest
+
+    from harness.setup import validate
+
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(ValueError) as e:
+        validate(_compose("task=hf", f"task.path={missing}"))
+    msg = str(e.value)
+    assert "model=task-model" in msg and "arithmetic, countdown" in msg, msg
+    assert "model.spec=" in msg and "model=smollm2-135m" in msg, msg
+    assert f"task.path={str(missing)!r}" in msg and "not a file or folder here" in msg, msg
+    missing.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    with pytest.raises(ValueError) as e:
+        validate(_compose("task=hf", f"task.path={missing}"))
+    assert "model.spec=" in str(e.value) and "task.path" not in str(e.value)

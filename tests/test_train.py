@@ -260,8 +260,8 @@ def test_pi_old_from_the_sampler_is_honoured_when_the_training_pass_is_reused(
 ):
     """engine.logp_old_source=sampler with the default reuse path (staleness 0, one minibatch):
     π_old := μ, so under logit noise the PPO window clips at θ = θ_old, and the run equals the
-    one with a separate recompute. Before the fix the reuse path silently took the trainer as
-    π_old: nothing clipped and the setting did nothing (found in the issue-16 FP8 rerun)."""
+    one with a separate recompute. Were the reuse path to take the training pass as π_old, the
+    ratio would be 1 at θ = θ_old: nothing would clip and the setting would do nothing."""
     common = ["steps=2", "eval_every=0", "engine.logp_old_source=sampler", "noise=logit",
               "noise.sigma=1.0", "mechanism_batches=0"]  # fmt: skip
     runs = {}
@@ -394,10 +394,12 @@ def test_calibrated_clip_refuses_to_calibrate_a_ratio_against_itself(tmp_path):
         train.run(_cfg(tmp_path, "objective=calibrated_clip", "steps=1"))
 
 
-def test_readme_example_objective_name_and_noise_name(tmp_path):
-    """The README's `objective.name=cispo noise.name=logit noise.sigma=0.3`: ppo_clip's file has
-    no kwargs to leak into cispo (this failed with "unknown argument(s) ['c', 'eps_high', ...]")."""
-    cfg = _cfg(tmp_path, "objective.name=cispo", "noise.name=logit", "noise.sigma=0.3", "steps=1")
+def test_readme_first_training_command_draws_the_noise_field_of_the_run_seed(tmp_path):
+    """The README's `objective=cispo noise=logit noise.sigma=0.3`: logit.yaml links the noise
+    seed to the run seed (arms paired by seed share one field; the builder's default 0 would
+    give every run the same one)."""
+    cfg = _cfg(tmp_path, "objective=cispo", "noise=logit", "noise.sigma=0.3", "seed=5", "steps=1")
+    assert cfg.noise == {"name": "logit", "seed": 5, "sigma": 0.3}
     assert train.run(cfg)["step"] == 1
 
 
