@@ -185,6 +185,7 @@ def test_training_with_ct2_as_the_sampler(tmp_path, ct2_cache):
 
     from harness import train
 
+    # the check off: it would start a second CTranslate2 engine; the loop's dials are tested
     cfg = _cfg(tmp_path, "steps=3", "engine.sampler=ct2", "engine.ct2.compute_type=int8",
                "mechanism_batches=0")  # fmt: skip
     train.run(cfg)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# evaluation off: these test the launcher; test_train runs the default
 TINY = [
     "model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2", "rollout.group_size=4",
     "rollout.max_new_tokens=6", "eval_n=4", "eval_every=0", "progress=false", "steps=2",

@@ -31,7 +31,7 @@ TINY = {
     "rollout.group_size": 2,
     "rollout.max_new_tokens": 4,
     "eval_n": 4,
-    "eval_every": 0,
+    "eval_every": 0,  # off: these test the launcher; evaluation runs in test_train's defaults
     "checkpoint_every": 1,
     "progress": "false",
 }

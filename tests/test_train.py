@@ -230,7 +230,7 @@ def test_smollm2_three_steps(tmp_path):
         "steps=3",
         "rollout.max_new_tokens=8",
         "engine.sampler_dtype=bf16",
-        "eval_every=0",
+        "eval_every=0",  # off: 3 steps of the real model; evaluation is tested on the tiny one
     )
     train.run(cfg)
     rows = _metrics(tmp_path)
@@ -262,6 +262,7 @@ def test_pi_old_from_the_sampler_is_honoured_when_the_training_pass_is_reused(
     π_old := μ, so under logit noise the PPO window clips at θ = θ_old, and the run equals the
     one with a separate recompute. Were the reuse path to take the training pass as π_old, the
     ratio would be 1 at θ = θ_old: nothing would clip and the setting would do nothing."""
+    # evaluation and the mechanism check off: only the updates are compared
     common = ["steps=2", "eval_every=0", "engine.logp_old_source=sampler", "noise=logit",
               "noise.sigma=1.0", "mechanism_batches=0"]  # fmt: skip
     runs = {}
@@ -284,6 +285,7 @@ def test_the_reused_training_pass_is_pi_old_row_for_row(tmp_path, alternating_re
     minibatch order written back in batch order) fails all three."""
     rows = {}
     for reuse in ("true", "false"):
+        # evaluation off: only the updates are compared
         train.run(_cfg(tmp_path / reuse, "steps=2", f"reuse_old_logp={reuse}", "eval_every=0"))
         rows[reuse] = _metrics(tmp_path / reuse)
     for r in rows["true"]:
@@ -335,6 +337,7 @@ def test_copy_exit_mass_by_hand():
 def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path):
     """R3 with m = 2 and staleness 1: each minibatch replays its own rows' routes, and
     replay brings the trainer closer to μ than no replay does."""
+    # evaluation off: replay acts on the updates only
     common = ["model=tiny-moe", "noise=routing", "++noise.sigma=0.5", "steps=2",
               "alpha.minibatches=2", "alpha.staleness=1", "eval_every=0"]  # fmt: skip
     train.run(_cfg(tmp_path / "r3", *common, "engine.routing_replay=true"))
@@ -372,6 +375,7 @@ def test_routing_replay_with_minibatches_and_staleness_through_the_cli_with_eval
     import sys
 
     root = CONFIG_DIR.rsplit("/experiments", 1)[0]
+    # the check off: 4 runs of the launcher; it is tested on its own below
     args = ["model=tiny-moe", "noise=routing", "engine.routing_replay=true",
             "alpha.minibatches=2,4", "alpha.staleness=0,1", "rollout.group_size=4",
             "rollout.prompts_per_step=2", "rollout.max_new_tokens=6", "steps=2", "eval_n=8",
@@ -758,6 +762,7 @@ def test_the_entropy_driver_switches_training_prompts_to_the_harder_task(tmp_pat
         return sample(self, n, split, seed)
 
     monkeypatch.setattr(ArithmeticTask, "sample", spy)
+    # evaluation and the check off: both sample too, and the spy counts the loop's draws only
     train.run(_cfg(tmp_path, "steps=3", "drivers.harder_at=2", "+drivers.harder.digits=2",
                    "eval_every=0", "mechanism_batches=0"))  # fmt: skip
     assert [d for split, d in seen if split == "train"] == [1, 2, 2]
@@ -820,6 +825,7 @@ def test_full_pipeline_fp8_unifies_the_trainer_with_the_sampler(
         return lambda rows: calls.append(len(rows)) or shadow(rows)
 
     monkeypatch.setattr(train, "shadow_pass", counted)
+    # the check off: it would run shadow passes of its own, and the spy counts the loop's
     out = train.run(_cfg(tmp_path / "c", "objective=calibrated_clip", *fp8,
                          "engine.trainer_fp8=true", "steps=2", "mechanism_batches=0"))  # fmt: skip
     assert out["step"] == 2 and calls == [8]  # step 1 calibrates (every 20 steps): all 8 rows
@@ -883,7 +889,7 @@ def test_no_signal_warns_only_when_every_step_is_all_wrong_or_all_right():
 
 def test_a_run_that_never_rewards_says_so(tmp_path, capsys):
     """The untrained tiny model never answers 1-digit arithmetic: steps 1–5 all 0."""
-    train.run(_cfg(tmp_path, "steps=5", "eval_every=0"))
+    train.run(_cfg(tmp_path, "steps=5", "eval_every=0"))  # evaluation off: 5 quick steps
     rows = _metrics(tmp_path)
     assert [r["reward/mean"] for r in rows] == [0.0] * 5  # the premise
     assert "WARNING no learning signal" in capsys.readouterr().err

@@ -141,6 +141,7 @@ def test_training_with_vllm_as_the_sampler(tmp_path, tiny_folder):
 
     from harness import train
 
+    # the check off: it would start a second vLLM worker (~30 s); the loop's dials are tested
     cfg = _cfg(tmp_path, "steps=3", f"model.spec={tiny_folder}", "engine.sampler=vllm",
                "mechanism_batches=0")  # fmt: skip
     train.run(cfg)
@@ -184,7 +185,7 @@ def test_a_worker_killed_mid_run_ends_the_run_and_the_rerun_resumes(tmp_path, ti
 
     out = tmp_path / "run"
 
-    def cmd(steps: int) -> list[str]:
+    def cmd(steps: int) -> list[str]:  # the check off: a second vLLM worker; resume is tested
         return [sys.executable, "-m", "harness.train", f"out={out}", *TINY, f"steps={steps}",
                 f"model.spec={tiny_folder}", "engine.sampler=vllm", "mechanism_batches=0",
                 "checkpoint_every=1", "progress=false"]  # fmt: skip
