@@ -235,6 +235,7 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
     if s.old_policy is not None and s.old_policy is not s.policy:
         s.old_policy.load_weights_from_state(s.history.behaviour())
     reward = partial(task.rollout_rewards, problems, tokenizer=s.tok)
+    t_rollout = time.time()
     try:
         batch, ro, rewards = collect(
             s.sampler, s.old_policy, [p.prompt for p in problems], reward,
@@ -247,6 +248,7 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
             f"step {step}: {e}. The weights diverged (finite but huge) after step {step - 1}; "
             f"the checkpoints in {cfg.out}/checkpoints hold earlier steps. Lower optim.lr."
         ) from e
+    rollout_s, t_update = time.time() - t_rollout, time.time()
     local = batch
     if s.ranks.world > 1:
         batch, rewards = gather_batch(batch), distributed.gather_rows(rewards)
@@ -276,10 +278,12 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
         )  # fmt: skip
     t_sync = time.time()
     s.sampler.load_weights_from_state(s.history.behaviour())  # staleness: k steps old
-    sync_s = time.time() - t_sync
+    sync_s, update_s = time.time() - t_sync, t_sync - t_update
     if s.ranks.world > 1:
         reps = [r for part in distributed.gather_objects(reps) for r in part]
     m = step_metrics(step, batch, rewards, reps, updates, skipped, guard, cfg) | snr
+    # rollout: sampling, rewards, the π_old pass; update: the minibatch optimizer steps
+    m["time/rollout_s"], m["time/update_s"] = round(rollout_s, 3), round(update_s, 3)
     if cfg.engine.sampler != "hf":  # another engine reloads the weights: what that costs
         m["time/sync_s"] = round(sync_s, 4)
     if cfg.drivers.beta_growth != 1.0:

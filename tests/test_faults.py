@@ -79,7 +79,7 @@ def lines(run: Path) -> list[str]:
 
 def metrics(run: Path) -> list[dict]:
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
-    return [{k: v for k, v in r.items() if k != "time/step_s"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
 @pytest.mark.slow

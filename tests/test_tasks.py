@@ -26,7 +26,7 @@ def task(name, **kw):
 
 
 def test_registry_names_and_kwarg_check():
-    assert set(TASKS) == {"arithmetic", "countdown", "hf"}
+    assert set(TASKS) == {"arithmetic", "countdown", "hf", "word_problems"}
     with pytest.raises(TypeError, match="digit"):
         task("arithmetic", digit=3)
 
@@ -301,3 +301,84 @@ def test_prompts_go_into_the_tokenizers_chat_template_when_it_has_one(tmp_path):
     (p,), (q,) = chat.sample(1, "train"), off.sample(1, "train")
     assert p.prompt == f"<user>{q.prompt}<assistant>" and p.answer == q.answer
     assert chat.reward(p, "so 2,000") == chat.reward(q, "so 2,000")
+
+
+# --- word_problems: generated GSM8K-layout problems for a real instruct model --------------------
+
+
+def test_word_problems_are_deterministic_with_disjoint_splits():
+    """Same (seed, split), same problems; the split is by the arithmetic (`info['expr']`), so no
+    eval problem's numbers and operations occur in train, whatever the wording."""
+    t = task("word_problems", steps=2, max_number=20)
+    a, b = t.sample(50, "train", seed=3), t.sample(50, "train", seed=3)
+    assert a == b and a != t.sample(50, "train", seed=4)
+    train = {t.key(p) for s in range(4) for p in t.sample(500, "train", seed=s)}
+    held = {t.key(p) for s in range(4) for p in t.sample(200, "eval", seed=s)}
+    assert len(held) > 50 and not train & held
+
+
+@pytest.mark.parametrize("kw", [{}, {"steps": 3, "max_number": 30}])
+def test_word_problem_solutions_are_right_and_graded_by_math_verify(kw):
+    """Each worked line 'x op y = z' is true and chains into the next; the last is the answer
+    after '####'; the reference earns 1 and a wrong final number 0."""
+    t = task("word_problems", **kw)
+    for p in t.sample(40, "train", seed=0) + t.sample(10, "eval", seed=0):
+        *lines, final = p.solution.split("\n")
+        assert final == f"#### {p.answer}" and len(lines) == t.steps
+        prev = None
+        for line in lines:
+            x, op, y, eq, z = line.split()
+            assert eq == "=" and int(z) >= 1 and prev in (None, int(x))
+            assert int(z) == (int(x) + int(y) if op == "+" else int(x) - int(y))
+            assert f" {y} " in p.prompt  # each event's number is in the question
+            prev = int(z)
+        assert prev == int(p.answer)
+        assert p.prompt == f"{p.info['question']} Answer with the number only."
+        assert t.reward(p, p.solution) == 1.0
+        assert t.reward(p, p.solution.replace(f"#### {p.answer}", f"#### {prev + 1}")) == 0.0
+    assert t.reward(p, f"So the answer is {p.answer}.") == 1.0  # math-verify: any final form
+
+
+def test_one_word_problem_by_hand():
+    """A seeded draw, checked whole: its wording, worked line, answer and key agree."""
+    import random
+
+    from harness.tasks import WORD_NAMES, WordProblemTask
+
+    p = WordProblemTask(1, 10, 0.25, 48, "", True).draw(random.Random(0))
+    name, _, n, item = p.prompt.rstrip("?").replace(".", "").split()[:4]
+    assert name in WORD_NAMES and p.prompt.endswith(f"How many {item} does {name} have now?")
+    (x, op, y, _, z), final = p.solution.split("\n")[0].split(), p.solution.split("\n")[1]
+    assert x == n and p.info["expr"] == f"{x}{op}{y}" and final == f"#### {z}" == f"#### {p.answer}"
+    verb = p.prompt.split(".")[1].split()[1]
+    assert (op, verb) in {("+", "buys"), ("+", "finds"), ("-", "loses"), ("-", "sells")}
+
+
+def test_word_problems_go_into_the_chat_template_when_the_tokenizer_has_one():
+    from harness.models import char_tokenizer
+
+    tok = char_tokenizer()
+    raw = task("word_problems")
+    raw.attach_tokenizer(tok)  # a base model's tokenizer: no template, raw text
+    (r,) = raw.sample(1, "train")
+    assert r.prompt == f"{r.info['question']} Answer with the number only."
+    tok.chat_template = CHAT
+    chat, off = task("word_problems"), task("word_problems", chat_template=False)
+    chat.attach_tokenizer(tok)
+    off.attach_tokenizer(tok)
+    (p,), (q,) = chat.sample(1, "train"), off.sample(1, "train")
+    assert p.prompt == f"<user>{r.prompt}<assistant>" and q == r and p.answer == r.answer
+    assert chat.key(p) == raw.key(r)  # the split is the same: by the arithmetic, not the prompt
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"steps": 0}, r"task.steps=0; valid: an integer >= 1"),
+        ({"max_number": 1}, r"task.max_number=1; valid"),
+        ({"eval_frac": 0.0}, r"task.eval_frac=0.0; valid"),
+    ],
+)
+def test_bad_word_problem_settings(kw, message):
+    with pytest.raises(ValueError, match=message):
+        task("word_problems", **kw)
