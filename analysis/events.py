@@ -5,6 +5,10 @@ in-kind endpoints) and the figures (each run's event marked on its trajectory).
 
   surge          the 10-step running mean of entropy reaches ≥ 2× its steps 1–10 mean
                  (Calibrated Clipping's entropy surge; the event and its first step)
+  healthy_surge  a surge after a healthy phase (seed 002's shape: the run trains, then fails):
+                 before the surge's first step the 10-step running mean of training reward
+                 rose ≥ 0.05 above its steps 1–10 mean (with 32 rows a step, ~2 standard
+                 errors of a 10-step mean at reward 0.3)
   collapse       the 10-step running mean of training reward falls below 0.5× its best
                  after the warm-up and stays there to the end (the SNR post §2's collapse)
   entropy_guard  the training loop's own entropy guard: some step's entropy > 2× the steps
@@ -38,6 +42,27 @@ def surge(run: pd.DataFrame, factor: float = 2.0, window: int = WINDOW) -> tuple
     base = s[s.index <= window].mean()
     hit = running_mean(run, "entropy_mean", window) >= factor * base
     return _first(hit)
+
+
+HEALTHY_RISE = 0.05  # the registered rise of the reward's running mean over its start
+
+
+def healthy_rise(run: pd.DataFrame, until: float = np.inf, window: int = WINDOW) -> float:
+    """The largest rise of the 10-step running mean of reward_mean over its steps 1–10 mean,
+    at steps before `until` (NaN when no full window precedes it)."""
+    s = run.sort_values("step").set_index("step")["reward_mean"]
+    r = running_mean(run, "reward_mean", window)
+    r = r[r.index < until].dropna()
+    return float(r.max() - s[s.index <= window].mean()) if len(r) else float("nan")
+
+
+def healthy_surge(run: pd.DataFrame, rise: float = HEALTHY_RISE, window: int = WINDOW):
+    """(event, surge step): a surge whose run first trained, i.e. `healthy_rise` before the
+    surge's first step is ≥ `rise` (seed 002: training proceeds normally, then entropy surges)."""
+    event, at = surge(run, window=window)
+    if event and healthy_rise(run, until=at, window=window) >= rise:
+        return True, at
+    return False, float("nan")
 
 
 def entropy_guard(run: pd.DataFrame, factor: float = 2.0, window: int = WINDOW):
@@ -114,7 +139,13 @@ def _first(hit: pd.Series) -> tuple[bool, float]:
     return (True, float(steps[0])) if len(steps) else (False, float("nan"))
 
 
-EVENTS = {"surge": surge, "collapse": collapse, "entropy_guard": entropy_guard, "loops": loops}
+EVENTS = {
+    "surge": surge,
+    "healthy_surge": healthy_surge,
+    "collapse": collapse,
+    "entropy_guard": entropy_guard,
+    "loops": loops,
+}
 
 
 def run_events(df: pd.DataFrame, warmup: int = 20) -> pd.DataFrame:
@@ -126,8 +157,11 @@ def run_events(df: pd.DataFrame, warmup: int = 20) -> pd.DataFrame:
         row["complete"] = bool(g.complete.iloc[0]) if "complete" in g else True
         for name, fn in EVENTS.items():
             needs = "repetition_terminal_loop_rate" if name == "loops" else None
-            needs = needs or ("reward_mean" if name == "collapse" else "entropy_mean")
-            if needs not in g or g[needs].isna().all():
+            needs = (
+                [needs] if needs else ["reward_mean"] if name == "collapse" else ["entropy_mean"]
+            )
+            needs += ["reward_mean"] if name == "healthy_surge" else []
+            if any(n not in g or g[n].isna().all() for n in needs):
                 row[name], row[f"{name}_at"] = np.nan, np.nan
                 continue
             event, at = fn(g, warmup=warmup) if name == "collapse" else fn(g)

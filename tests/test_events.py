@@ -8,6 +8,8 @@ from analysis.events import (
     collapse,
     entropy_guard,
     escalation,
+    healthy_rise,
+    healthy_surge,
     loops,
     margins,
     run_events,
@@ -29,6 +31,23 @@ def test_surge_fires_when_the_running_mean_reaches_twice_the_first_ten_steps():
     assert surge(_run(entropy_mean=spike))[0] is False
     assert entropy_guard(_run(entropy_mean=spike)) == (True, 11.0)  # the guard sees the spike
     assert entropy_guard(_run(entropy_mean=[1.0] * 30))[0] is False
+
+
+def test_a_healthy_surge_needs_the_reward_to_rise_before_the_surge_by_hand():
+    """Entropy as in the surge test (surge at step 15). Reward 0.30 for steps 1–10: with 0.36
+    from step 11 on, the running mean at step 14 is (6·0.30 + 4·0.36)/10 = 0.324, a rise of
+    0.024 < 0.05: no healthy phase; with 0.50 from step 11 on, (6·0.30 + 4·0.50)/10 = 0.38 at
+    step 14 (rise 0.08 ≥ 0.05): a healthy surge at step 15. A rise only after the surge (0.50
+    from step 16) does not count."""
+    ent = [1.0] * 10 + [3.0] * 30
+    flat = [0.30] * 10 + [0.36] * 30
+    rising = [0.30] * 10 + [0.50] * 30
+    late = [0.30] * 15 + [0.50] * 25
+    assert healthy_rise(_run(reward_mean=flat, entropy_mean=ent), until=15) == pytest.approx(0.024)
+    assert healthy_surge(_run(reward_mean=flat, entropy_mean=ent))[0] is False
+    assert healthy_surge(_run(reward_mean=rising, entropy_mean=ent)) == (True, 15.0)
+    assert healthy_surge(_run(reward_mean=late, entropy_mean=ent))[0] is False
+    assert healthy_surge(_run(reward_mean=rising, entropy_mean=[1.0] * 40))[0] is False
 
 
 def test_collapse_needs_the_fall_to_last_until_the_end():
