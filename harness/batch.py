@@ -96,17 +96,12 @@ class TokenBatch:
         )
 
 
-# --- the four ratios of Table 1, in log space ------------------------------------------------
+# --- the other ratios of Table 1, in log space (row 3, π_old/μ, is `log_rho` above) ---------
 
 
 def log_ratio_trust_region(logp: Tensor, logp_old: Tensor) -> Tensor:
     """Row 1: log π_θ/π_old (trainer vs trainer): α since minibatch 1 + β′; 0 at minibatch 1."""
     return logp - logp_old
-
-
-def log_ratio_train_inference(logp_old: Tensor, logp_mu: Tensor) -> Tensor:
-    """Row 3: log π_old/μ at the same weights, trainer vs sampler. Pure β."""
-    return logp_old - logp_mu
 
 
 def log_ratio_folded(logp: Tensor, logp_mu: Tensor) -> Tensor:

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from harness.batch import log_rho
+
 # the confidence bins of trainer p_t, [lo, hi), the last closed (DERIVED: the SNR post bins by
 # p_t without giving fixed edges)
 CONF_EDGES = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)
@@ -182,7 +184,7 @@ def identity_check(
     (plus 1e-3), so that a faithful engine passes at any sample size.
     """
     m = mask.bool()
-    r = torch.exp((logp_old - logp_mu)[m].double())
+    r = torch.exp(log_rho(logp_old, logp_mu)[m].double())
     n = int(r.numel())
     if n == 0:
         raise ValueError("identity_check: the mask selects no tokens")

@@ -4,8 +4,8 @@ import torch
 from harness.batch import (
     TokenBatch,
     log_ratio_folded,
-    log_ratio_train_inference,
     log_ratio_trust_region,
+    log_rho,
     masked_mean,
 )
 
@@ -45,7 +45,7 @@ def test_with_old_fills_pi_old_from_the_trainer_or_from_mu():
 def test_ratios_by_hand():
     logp, logp_old, logp_mu = torch.tensor([-1.0]), torch.tensor([-1.5]), torch.tensor([-2.0])
     assert log_ratio_trust_region(logp, logp_old).item() == 0.5
-    assert log_ratio_train_inference(logp_old, logp_mu).item() == 0.5
+    assert log_rho(logp_old, logp_mu).item() == 0.5
     assert log_ratio_folded(logp, logp_mu).item() == 1.0
 
 

@@ -30,8 +30,8 @@ from torch import Tensor
 from harness.batch import (
     TokenBatch,
     log_ratio_folded,
-    log_ratio_train_inference,
     log_ratio_trust_region,
+    log_rho,
 )
 from harness.diagnostics import SAFETY, ess
 from harness.registry import check_kwargs, lookup, register
@@ -75,7 +75,7 @@ def log_ratio(logp: Tensor, batch: TokenBatch, ratio: str) -> Tensor:
     if ratio == "trust":
         x = log_ratio_trust_region(logp, batch.logp_old)
     elif ratio == "ti":
-        x = log_ratio_train_inference(batch.logp_old, batch.logp_mu)
+        x = log_rho(batch.logp_old, batch.logp_mu)
     else:
         x = log_ratio_folded(logp, batch.logp_mu)
     return torch.where((batch.mask > 0) & torch.isfinite(x), x, 0.0).clamp(-SAFETY, SAFETY)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from harness.batch import TokenBatch
+from harness.batch import TokenBatch, log_ratio_folded, log_rho
 from harness.diagnostics import CONF_EDGES, bin_index
 from harness.objectives.core import (
     OBJECTIVES,
@@ -213,7 +213,7 @@ def dppo_tv(
 
 def cis_weight(logp_old: Tensor, logp_mu: Tensor, p: Tensor, lam: float, kappa: float) -> Tensor:
     """CIS (2609.32444, CIS-RL Alg. 1): f = min(k, 1 + λ·max(1 − p, κ)), k = p/q; non-finite → 1."""
-    log_k = logp_old - logp_mu
+    log_k = log_rho(logp_old, logp_mu)
     k = torch.where(torch.isfinite(log_k), log_k.exp(), 1.0)
     return torch.minimum(k, 1 + lam * (1 - p).clamp_min(kappa))
 
@@ -342,7 +342,7 @@ class SNRShrink(PolicyObjective):
         if self.adaptive:  # the training tokens' α + β at the update
             m = batch.mask.bool()
             # the record is for the numpy SNR split: kept on the CPU whatever the device
-            delta = (logp.detach() - batch.logp_mu)[m].float().cpu()
+            delta = log_ratio_folded(logp.detach(), batch.logp_mu)[m].float().cpu()
             self.live_delta = torch.cat([self.live_delta, delta])
             self.live_conf = torch.cat([self.live_conf, trainer_prob(batch)[m].float().cpu()])
         return super().__call__(logp, batch)
