@@ -39,6 +39,26 @@ def test_interrupted_conversion_leaves_nothing_half_written(tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
+def test_concurrent_first_conversions_share_the_winners_folder(tmp_path, monkeypatch):
+    """Two runs of a sweep convert at once on a fresh cache: the other run's rename lands while
+    this one writes. This run must use that folder, not fail on the full destination (the
+    2-run SmolLM2 pilot's trainer arm died so), and leave no temp folder."""
+    monkeypatch.setenv("RATIOLAB_CACHE", str(tmp_path))
+    tiny, tok = load_model("tiny-llama")
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    save = models.save_folder
+
+    def racing(model, tok_, dest):
+        save(tiny, tok, dest)  # the other run finishes first
+        return save(model, tok_, dest)  # this run's rename onto the full folder
+
+    monkeypatch.setattr(models, "save_folder", racing)
+    dest = models.smollm2_dir()
+    assert (dest / "config.json").exists() and [p.name for p in tmp_path.iterdir()] == [dest.name]
+
+
 def test_char_tokenizer_roundtrip():
     tok = models.char_tokenizer()
     ids = tok("12 + 3 = 15\n", add_special_tokens=False).input_ids
