@@ -93,6 +93,7 @@ def test_every_preset_exists():
         "opsd_long_topp",
         "nsr_dose",
         "cis_dose",
+        "smollm2_surge_pilot",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
