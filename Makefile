@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml Makefile
 
 # vLLM (engine.sampler=vllm) in a venv of its own: it pins its own transformers, and the
 # torchvision/torchaudio/torchcodec wheels it pulls break `import vllm` beside torch 2.13.0 (CPU).
-# Outside the checkout, in the ratiolab cache, so clones share it (harness.vllm_engine looks there).
+# Outside the checkout, in the ratiolab cache, so clones share it (harness.sampling.vllm_engine
+# looks there).
 VLLM_VENV ?= $(or $(RATIOLAB_CACHE),$(HOME)/.cache/ratiolab)/vllm-0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.ratiolab-installed
 

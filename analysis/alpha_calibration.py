@@ -14,7 +14,7 @@ import seaborn as sns
 
 from analysis.common import savefig, set_theme
 from analysis.runs import load_summary, results_root
-from harness.io import write_text_atomic
+from harness.base.io import write_text_atomic
 
 EXP = "alpha_calibration"
 

@@ -6,7 +6,7 @@ reads, per experiment, the committed results/<exp>/{prereg.yaml, summary.csv, me
 (written by analysis.summarize) and writes results/claims.md and results/claims.csv: claim,
 seed document, mechanism check, endpoint, test, statistic, p and interval, verdict.
 
-The `prereg` schema is harness.prereg's (validated before a preset's runs).
+The `prereg` schema is harness.runs.prereg's (validated before a preset's runs).
 
 Tests are two-sided at α = 0.05 (Fisher: one-sided in the predicted direction, the seed's
 prediction being directional); intervals 95% (TOST: 90%, its equivalence interval).
@@ -34,8 +34,8 @@ from analysis.stats import (
     pairs_for,
     tost,
 )
-from harness.io import write_text_atomic
-from harness.prereg import check_prereg
+from harness.base.io import write_text_atomic
+from harness.runs.prereg import check_prereg
 
 EXPERIMENTS = ["collapse_reject_vs_clamp", "collapse_drivers", "fp8_entropy_surge",
                "fp8_full_pipeline", "nsr_vs_decay", "opsd_repetition", "cis_vs_tis",

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from harness.io import write_text_atomic  # noqa: E402
+from harness.base.io import write_text_atomic  # noqa: E402
 
 RESULTS = Path("results")
 

@@ -20,7 +20,7 @@ import yaml
 from analysis.claims import endpoint_values, run_endpoint, stars
 from analysis.common import savefig, set_theme
 from analysis.runs import load_summary, results_root
-from harness.prereg import check_prereg
+from harness.runs.prereg import check_prereg
 
 DOSES = {  # dose experiment -> base experiment, β label, in-run mechanism columns (name, label)
     "nsr_dose": ("nsr_vs_decay", "Gaussian logit-noise σ in μ",

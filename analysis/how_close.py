@@ -18,7 +18,7 @@ import pandas as pd
 
 from analysis.events import escalation, margins, run_events, tail_mean
 from analysis.runs import load_summary, results_root
-from harness.io import write_text_atomic
+from harness.base.io import write_text_atomic
 
 DOSE = ["noise", "sigma", "lr", "staleness"]  # the config columns a pilot varies
 MECHANISM = ["mask_frac", "clip_frac_low"]  # the deleted / clipped mass, whichever the run has

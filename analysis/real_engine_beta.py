@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.common import RESULTS, bin_labels, load_runs, savefig, set_theme, summary
-from harness.io import write_text_atomic
+from harness.base.io import write_text_atomic
 
 SHAPE = [("median/mean", "median / mean |Δ|"), ("top1_share", "top 1% share of Σ|Δ|"),
          ("corr_conf_abs", "corr(p_t, |Δ|)")]  # fmt: skip

@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from harness.checkpoint import effective, flatten
+from harness.rl.checkpoint import effective, flatten
 
 # metrics.jsonl keys kept in summary.csv ('/' → '_')
 METRICS = [
@@ -96,7 +96,7 @@ def preset_config(exp: str) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from harness import config as _schema  # noqa: F401  (registers train_schema)
+    from harness.runs import config as _schema  # noqa: F401  (registers train_schema)
 
     root = Path(__file__).resolve().parents[1] / "experiments"
     if not (root / "experiment" / f"{exp}.yaml").exists():
@@ -228,7 +228,7 @@ MECHANISM = ["mean_abs_delta", "oob_frac", "fork_oob_share", "fork_frac", "forks
 
 def load_mechanism(root: Path, exp: str) -> pd.DataFrame:
     """One row per run folder of `exp` holding a mechanism.json (training runs write one before
-    step 1; `python -m harness.mechanism -m` sweeps write only that): arm, seed, noise and the
+    step 1; `python -m harness.rl.mechanism -m` sweeps write only that): arm, seed, noise and the
     step-0 numbers."""
     rows = []
     for path in sorted((root / exp).glob("*/mechanism.json")):
@@ -347,7 +347,7 @@ def load_summary(root: Path, exp: str) -> pd.DataFrame:
 def weights_problems(df: pd.DataFrame) -> list[str]:
     """Why the model behind these runs is not pinned by content (empty: every run names the
     shipped weights of its recipe)."""
-    from harness.warmstart import shipped_manifest
+    from harness.tasks.warmstart import shipped_manifest
 
     if "weights_sha" not in df or df.weights_sha.isna().any():
         return [

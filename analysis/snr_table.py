@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.common import RESULTS, bin_labels, load_runs, savefig, set_theme
-from harness.io import write_text_atomic
+from harness.base.io import write_text_atomic
 
 FLOOR = 1e-3  # SNR = 0 (Var_r ≤ Var_β) is drawn here on the log axis
 

@@ -27,7 +27,7 @@ import yaml
 
 from analysis.claims import EXPERIMENTS as CLAIMED
 from analysis.runs import config_problems, load_mechanism, load_prereg, load_raw
-from harness.io import write_text_atomic
+from harness.base.io import write_text_atomic
 
 EXPERIMENTS = [*CLAIMED, "alpha_calibration"]  # every experiment with training runs
 

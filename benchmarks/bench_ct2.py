@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from harness.ct2 import Ct2Engine
-from harness.engines import Engine
-from harness.io import write_json_atomic
+from harness.base.io import write_json_atomic
+from harness.base.models import load_model
+from harness.base.registry import build
 from harness.measure import PROMPTS, format_prompts
-from harness.models import load_model
-from harness.registry import build
+from harness.sampling.ct2 import Ct2Engine
+from harness.sampling.engines import Engine
 from harness.tasks import TASKS
-from harness.warmstart import load_task_model
+from harness.tasks.warmstart import load_task_model
 
 
 def workloads():

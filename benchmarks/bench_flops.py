@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from harness.engines import Engine
-from harness.models import load_model
-from harness.tasks import arithmetic
+from harness.base.models import load_model
+from harness.sampling.engines import Engine
+from harness.tasks.arithmetic import arithmetic
 
 INSTRUCTION = (
     "You are a careful assistant. Solve the arithmetic problem below, showing the carries digit "

@@ -4,17 +4,17 @@
         --json results/bench/gpu.json
     python benchmarks/bench_gpu.py --devices cpu --steps 1 --smollm2-layers 2   # CPU smoke
 
-Models: `task-model` (the shipped arithmetic task model, `harness.warmstart.load_task_model`,
+Models: `task-model` (the shipped arithmetic task model, `harness.tasks.warmstart.load_task_model`,
 no training) and `smollm2-shaped` (SmolLM2-135M's architecture from its config: hidden 576,
 intermediate 1536, 9 heads, 3 KV heads, vocab 49152, 30 layers, random init, the character
-tokenizer: `harness.models.smollm2_shaped`). Work: arithmetic prompts,
+tokenizer: `harness.base.models.smollm2_shaped`). Work: arithmetic prompts,
 `--prompts` × `--group` rows of `--new-tokens` tokens each (EOS off, so every device decodes the
 same number of tokens whatever it samples).
 
 A step is `benchmarks/bench_step.py`'s ratiolab step (`RatiolabStep`, variant `loop`: what
-`harness.train` runs at staleness 0 with one minibatch): `harness.step.collect` on the sampler's
-own copy of the weights, `harness.step.update` with `ppo_clip` and the loop's optimizer
-(`harness.step.adamw`: fp32 master weights for a bf16 model), then the weight sync. An Engine
+`harness.train` runs at staleness 0 with one minibatch): `harness.rl.step.collect` on the sampler's
+own copy of the weights, `harness.rl.step.update` with `ppo_clip` and the loop's optimizer
+(`harness.rl.step.adamw`: fp32 master weights for a bf16 model), then the weight sync. An Engine
 runs on its model's device, so each (model, device, dtype) gets the model moved there and cast.
 CUDA is synchronised before and after each step. `--warmup` steps are run untimed first.
 Prints the median step seconds per (model, device, dtype) and the CPU/CUDA ratio; the JSON
@@ -41,18 +41,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import CLIP, LR, RatiolabStep, work_for  # noqa: E402
 
-from harness.io import write_text_atomic  # noqa: E402
+from harness.base.io import write_text_atomic  # noqa: E402
 
 MODELS = ("task-model", "smollm2-shaped")
 
 
 def load(name: str, smollm2_layers: int):
     if name == "task-model":
-        from harness.warmstart import load_task_model
+        from harness.tasks.warmstart import load_task_model
 
         return load_task_model("arithmetic", progress=False)
     if name == "smollm2-shaped":
-        from harness.models import smollm2_shaped
+        from harness.base.models import smollm2_shaped
 
         return smollm2_shaped(n_layers=smollm2_layers, seed=0)
     raise ValueError(f"--models: {name!r}; valid: {', '.join(MODELS)}")

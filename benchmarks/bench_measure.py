@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from harness.diagnostics import bin_index
-from harness.snr import BinnedMoments, SNRSplit
+from harness.stats.diagnostics import bin_index
+from harness.stats.snr import BinnedMoments, SNRSplit
 
 
 def main() -> None:

@@ -6,9 +6,9 @@
     python benchmarks/bench_memory.py --device cuda --model smollm2-shaped --big   # a GPU's grid
     python benchmarks/bench_memory.py --table          # the per-model table from the CPU JSON
 
-One point is one `harness.step.update` — the loop's path at staleness 0 with one minibatch: the
+One point is one `harness.rl.step.update` — the loop's path at staleness 0 with one minibatch: the
 training pass doubles as π_old, `ppo_clip` (ε 0.2/0.28) with token-mean aggregation, the loop's
-AdamW (`harness.step.adamw`: fused; fp32 master weights for a bf16 model), gradient-norm clip —
+AdamW (`harness.rl.step.adamw`: fused; fp32 master weights for a bf16 model), gradient-norm clip —
 on a synthetic rollout of `rows` rows of `--prompt` prompt tokens and `tokens` response tokens
 each (random ids, every row its own prompt so no prefix is shared, no padding; advantages ±1).
 Sampling is not part of the update and is not run. Modes: `full` (one pass with grad over all
@@ -131,7 +131,7 @@ def load(name: str, layers: int, dtype: str, device: str):
     """(model on `device` in `dtype`, tokenizer)."""
     import torch
 
-    from harness.models import load_model, resolve_dtype, smollm2_shaped
+    from harness.base.models import load_model, resolve_dtype, smollm2_shaped
 
     if name == "smollm2-shaped":
         model, tok = smollm2_shaped(n_layers=layers, seed=0)
@@ -148,8 +148,8 @@ def synthetic_rollout(rows: int, tokens: int, prompt: int, vocab: int, device, s
     (advantages +1/−1 by row, π_old not yet scored: the update's pass supplies it)."""
     import torch
 
-    from harness.batch import TokenBatch
-    from harness.rollout import Rollout
+    from harness.base.batch import TokenBatch
+    from harness.sampling.rollout import Rollout
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, prompt + tokens), generator=g)  # 0..2: special ids
@@ -234,14 +234,14 @@ def run_point(
     model, tok, *, rows: int, tokens: int, prompt: int, micro_batch_tokens: int | None,
     checkpointing: bool, probe,
 ) -> dict:  # fmt: skip
-    """One measured `harness.step.update` of `model` after a warm-up update (the model is left
+    """One measured `harness.rl.step.update` of `model` after a warm-up update (the model is left
     with its gradients released): baseline and peak bytes, peak − baseline, seconds and the
     number of micro-batches."""
     import torch
 
-    from harness.engines import Engine
     from harness.objectives import build_objective
-    from harness.step import adamw, update
+    from harness.rl.step import adamw, update
+    from harness.sampling.engines import Engine
 
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
@@ -377,7 +377,7 @@ def growth(points: list[dict], mode: str) -> list[dict]:
 def report(points: list[dict], args, meta: dict) -> dict:
     import torch
 
-    from harness.logprobs import DEFAULT_CHUNK
+    from harness.sampling.logprobs import DEFAULT_CHUNK
 
     grad_bytes = meta["params"] * {"fp32": 4, "bf16": 2}[args.dtype]
     fits = {m: fit_bytes([p for p in points if p["mode"] == m], DEFAULT_CHUNK, grad_bytes)
@@ -544,7 +544,7 @@ def memory_table(rep: dict, rows: int = 32, tokens=(1024, 4096, 16384), gpu_gib:
     `rep` (its `fits`). One dict per (model, tokens), in GiB:
 
     - weights 2P (bf16), master 4P, grads 2P (bf16), Adam 8P (two fp32 moments) —
-      `harness.step.MasterAdamW`; its step also makes an fp32 copy of the gradients (4P) after
+      `harness.rl.step.MasterAdamW`; its step also makes an fp32 copy of the gradients (4P) after
       the activations are gone;
     - sampler 2P (its own bf16 copy) and its KV cache while it samples: 2 (k, v) · L · kv ·
       2 bytes per position, every row;
@@ -738,12 +738,12 @@ def main() -> None:
     modes = parse_modes(a.modes)
     import torch
 
-    from harness.io import write_text_atomic
+    from harness.base.io import write_text_atomic
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if a.model == "smollm2-135m":
-        from harness.models import smollm2_gguf_path
+        from harness.base.models import smollm2_gguf_path
 
         try:
             smollm2_gguf_path()
@@ -808,7 +808,7 @@ def main() -> None:
             for fut in concurrent.futures.as_completed([pool.submit(timed, s) for s in specs]):
                 done(*fut.result())
     else:
-        from harness.models import resolve_dtype
+        from harness.base.models import resolve_dtype
 
         dev = torch.device("cuda")
         for s in specs:

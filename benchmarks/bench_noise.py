@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from harness.models import load_model, upcycle_to_moe
+from harness.base.models import load_model, upcycle_to_moe
 from harness.noise import build_noise, forward_context, prefix_hash
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from harness.batch import TokenBatch
+from harness.base.batch import TokenBatch
 from harness.objectives import OBJECTIVES, build_objective
 
 

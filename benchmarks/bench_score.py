@@ -23,8 +23,8 @@ import torch
 
 
 def child(variant: str, model_spec: str, B: int, T: int, grad: bool) -> dict:
-    from harness.logprobs import chunked_logp, chunked_stats
-    from harness.models import load_model
+    from harness.base.models import load_model
+    from harness.sampling.logprobs import chunked_logp, chunked_stats
 
     model, _ = load_model(model_spec)
     V, H = model.config.vocab_size, model.config.hidden_size

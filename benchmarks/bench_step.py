@@ -17,17 +17,17 @@ fastest configuration for this work.
 
 Both run in one process, interleaved: TRL's `train()` runs warm-up + pairs steps, and a callback
 times each TRL step (on_step_begin → on_step_end) and then runs and times one ratiolab step per
-variant. The ratiolab step is `harness.train.run`'s step itself: `harness.step.collect` (the
-sampler's own copy of the weights, rewards, group advantages) and `harness.step.update` (the
+variant. The ratiolab step is `harness.train.run`'s step itself: `harness.rl.step.collect` (the
+sampler's own copy of the weights, rewards, group advantages) and `harness.rl.step.update` (the
 registered objective, fused AdamW, `WeightHistory.push`), then the weight sync to the sampler.
 Variant `loop` is what `harness.train` does at staleness 0 with one minibatch: the training pass
 doubles as π_old (`collect(old_policy=None)`: π_old := detached π_θ, with p_t / entropy / Σp²
 from the same pass), as TRL does when each rollout batch is used once. Variant `recompute`
 passes the trainer as π_old to `collect`: the separate π_old pass the loop runs when α is
 configured. Variant `before` is `recompute` with every fast path of the engine off (shared
-prompt prefill/prefix, the lean decode loop of harness/decode.py, dropping finished rows from the
-decode batch); `noprune` is `loop` with finished rows kept in the decode batch. All interleaved
-in the same run.
+prompt prefill/prefix, the lean decode loop of harness/sampling/decode.py, dropping finished rows
+from the decode batch); `noprune` is `loop` with finished rows kept in the decode batch. All
+interleaved in the same run.
 After the pairs, one `loop` step runs under the torch profiler: its time inside GEMM kernels over
 TRL's median step is `gemm_floor_ratio`, the lowest ratio reachable without faster GEMMs (TRL runs
 the same GEMMs). Writes results/bench/step_<model>[_eos_<task>].json
@@ -52,13 +52,13 @@ from typing import Any
 
 import torch
 
-from harness.alpha import WeightHistory
-from harness.config import schema
-from harness.models import DTYPES
+from harness.base.models import DTYPES
 from harness.objectives import build_objective
-from harness.setup import build_engines
-from harness.step import Sampling, adamw, collect, update
-from harness.tasks import arithmetic
+from harness.rl.alpha import WeightHistory
+from harness.rl.setup import build_engines
+from harness.rl.step import Sampling, adamw, collect, update
+from harness.runs.config import schema
+from harness.tasks.arithmetic import arithmetic
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,9 @@ class Work:
 
 
 def work_for(kind: str, task_name: str, prompts: int | None = None, group: int | None = None):
-    from harness.config import RolloutCfg
+    from harness.runs.config import RolloutCfg
     from harness.tasks import TASKS
-    from harness.warmstart import resolve_recipe
+    from harness.tasks.warmstart import resolve_recipe
 
     if kind == "fixed":
         return Work(8, 4, 32, False, arithmetic(digits=2, ops="+-"))
@@ -99,12 +99,12 @@ def load(spec: str, task: str):
     """tiny: the 4-layer d = 128 arithmetic task model (SMALL_ARITHMETIC); task-model: the shipped
     task model of `task` (arithmetic or countdown)."""
     if spec in ("tiny", "task-model"):
-        from harness.warmstart import SMALL_ARITHMETIC, load_task_model
+        from harness.tasks.warmstart import SMALL_ARITHMETIC, load_task_model
 
         recipe = SMALL_ARITHMETIC if spec == "tiny" else {}
         model, tok = load_task_model(task if spec == "task-model" else "arithmetic", **recipe)
         return model, tok, ""
-    from harness.models import load_model
+    from harness.base.models import load_model
 
     model, tok = load_model(spec)
     return model, tok, INSTRUCTION

@@ -4,13 +4,14 @@
 
 SmolLM2-135M, the measurement job's prompts, 48 new tokens, T = 1, fp32, no noise, at two batch
 sizes (16 prompts × 2 and × 8). Per round one rollout per sampler, interleaved: `hf_generate`
-(transformers' `generate`, sampling), `ratiolab` (harness.engines.Engine: KV cache, lean decode,
-pruning of finished rows), `vllm` (harness.vllm_engine.VllmEngine: the worker under vLLM's own
-venv, `make vllm`). The ratio to hf_generate is taken within a round, reported as min / median /
-max over rounds. Start-up is the VllmEngine's construction (weights written, worker started,
-model loaded, one warm-up token); sync is one `load_weights_from_state` with changed weights
-(write safetensors, reload, re-pack the tied head, reset the prefix cache) — what
-`harness.train` pays per step with engine.sampler=vllm. Writes results/bench/vllm.json.
+(transformers' `generate`, sampling), `ratiolab` (harness.sampling.engines.Engine: KV cache,
+lean decode, pruning of finished rows), `vllm` (harness.sampling.vllm_engine.VllmEngine: the
+worker under vLLM's own venv, `make vllm`). The ratio to hf_generate is taken within a round,
+reported as min / median / max over rounds. Start-up is the VllmEngine's construction (weights
+written, worker started, model loaded, one warm-up token); sync is one
+`load_weights_from_state` with changed weights (write safetensors, reload, re-pack the tied head,
+reset the prefix cache) — what `harness.train` pays per step with engine.sampler=vllm. Writes
+results/bench/vllm.json.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from pathlib import Path
 import torch
 from bench_ct2 import compare, sync_cost  # the same interleaved timing as the ct2 benchmark
 
-from harness.engines import Engine
-from harness.io import write_json_atomic
+from harness.base.io import write_json_atomic
+from harness.base.models import load_model
 from harness.measure import PROMPTS, format_prompts
-from harness.models import load_model
-from harness.rollout import encode_prompts
-from harness.vllm_engine import VllmEngine
+from harness.sampling.engines import Engine
+from harness.sampling.rollout import encode_prompts
+from harness.sampling.vllm_engine import VllmEngine
 
 
 class HFGenerate:

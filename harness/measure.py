@@ -6,10 +6,10 @@ weights, then a live pass), validated against the ground truth the harness contr
      (abort when |mean ratio − 1| exceeds the tolerance); noise anatomy (Table 3, Figure 1).
   2. α: the trainer moves to θ, by `alpha.steps` optimizer steps of a real objective (default
      ppo_clip + AdamW) on the calibration rollouts with a verifiable reward, or by a controlled
-     relative weight perturbation (`alpha.mode=perturb`, harness.alpha.perturb_weights_).
+     relative weight perturbation (`alpha.mode=perturb`, harness.rl.alpha.perturb_weights_).
   3. Live pass: new rollouts from μ at θ_b, scored by the trainer at θ: Δ_live = α + β.
   4. Per confidence bin of trainer p_t: the SNR split and the three-job bounds (Table 6,
-     Figure 2, harness.snr; the bounds' placement: §4), the Table 7 dials, layer amplification
+     Figure 2, harness.stats.snr; the bounds' placement: §4), the Table 7 dials, layer amplification
      (the post's residual-stream compounding, §2: ‖Δh_l‖ per decoder layer after one injection
      of relative size σ).
   5. Ground truth per live token: β = log π_trainer(θ_b) − log μ(θ_b) (the engine mismatch at
@@ -50,20 +50,21 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from harness.alpha import minibatch_schedule, perturb_weights_
-from harness.batch import TokenBatch, log_rho
-from harness.config import EngineCfg, ModelCfg, open_schema
-from harness.diagnostics import CONF_EDGES, bin_index, identity_check
-from harness.engines import Engine, Rollout
-from harness.io import write_json_atomic, write_text_atomic
-from harness.launch import check_group_names, run_task
-from harness.models import DTYPES, load_model, resolve_device, set_tf32, weights_sha
+from harness.base.batch import TokenBatch, log_rho
+from harness.base.io import write_json_atomic, write_text_atomic
+from harness.base.models import DTYPES, load_model, resolve_device, set_tf32, weights_sha
 from harness.noise import NOISE, layer_amplification
 from harness.objectives import build_objective
-from harness.samplers import check_sampler
-from harness.setup import ATTENTIONS, build_policy, build_sampler, noise_nodes, step_seed
-from harness.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
-from harness.step import Sampling, adamw, collect, update
+from harness.rl.alpha import minibatch_schedule, perturb_weights_
+from harness.rl.setup import build_policy, build_sampler, step_seed
+from harness.rl.step import Sampling, adamw, collect, update
+from harness.runs.config import EngineCfg, ModelCfg, open_schema
+from harness.runs.launch import run_task
+from harness.runs.validate import ATTENTIONS, check_group_names, noise_nodes
+from harness.sampling.engines import Engine, Rollout
+from harness.sampling.samplers import check_sampler
+from harness.stats.diagnostics import CONF_EDGES, bin_index, identity_check
+from harness.stats.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
 
 # --- config -------------------------------------------------------------------------------------
 
@@ -109,7 +110,7 @@ class MeasureConfig:
     truth_tol: float = 1e-4
     edges: list[float] | None = None  # confidence bins on trainer p_t; None: diagnostics.CONF_EDGES
     alpha: MeasureAlphaCfg = field(default_factory=MeasureAlphaCfg)
-    # the three-job bounds (harness.snr): u_noise / l_noise are the noise_q / (1 − noise_q)
+    # the three-job bounds (harness.stats.snr): u_noise / l_noise are the noise_q / (1 − noise_q)
     # quantiles of e^Δ_cal; u_signal, l_signal = e^{±k σ_α}; ESS/N floor of the clamped weights
     noise_q: float = 0.995
     signal_k: float = 2.0
@@ -329,7 +330,7 @@ def rewards(tok, ro: Rollout) -> torch.Tensor:
 
 
 def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -> dict:
-    """θ_b → θ: `alpha.steps` optimizer steps of `alpha.objective` (harness.step.update) on the
+    """θ_b → θ: `alpha.steps` optimizer steps of `alpha.objective` (harness.rl.step.update) on the
     calibration rollout `ro` (sampled by μ at θ_b; logp_old = the trainer at θ_b), GRPO
     advantages, DAPO dynamic sampling (rows of uniform-reward groups dropped), minibatches
     cycled."""

@@ -18,7 +18,8 @@ on its own samples.
 The run directory holds config.yaml, metrics.jsonl (one JSON line per step), meta.json and
 checkpoints/ (atomic); re-running in the same directory resumes from the latest checkpoint.
 
-    torchrun --nproc_per_node=N -m harness.train ...   # FSDP2 across N ranks (harness.distributed)
+    torchrun --nproc_per_node=N -m harness.train ...   # FSDP2 across N ranks
+    (harness.base.distributed)
 
 Across ranks each rank samples its share of the step's groups; the objective, the metrics and
 the evaluation see the global batch; rank 0 alone writes files and shows the progress bar.
@@ -41,11 +42,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from harness import config as _schema  # noqa: F401  (registers the structured-config schema)
-from harness import distributed
-from harness.alpha import minibatch_schedule
-from harness.batch import TokenBatch
-from harness.checkpoint import (
+from harness.base import distributed
+from harness.base.batch import TokenBatch
+from harness.base.io import write_json_atomic, write_text_atomic
+from harness.base.models import save_folder
+from harness.noise.fp8 import high_precision, shadow_pass
+from harness.objectives.opsd import teacher_inputs
+from harness.rl.alpha import minibatch_schedule
+from harness.rl.checkpoint import (
     checkpoint_state,
     checkpoints,
     config_contract,
@@ -54,26 +58,16 @@ from harness.checkpoint import (
     save_checkpoint,
     save_sharded,
 )
-from harness.diagnostics import bin_means, check_collapse, dials, identity_check
-from harness.engines import Engine
-from harness.io import write_json_atomic, write_text_atomic
-from harness.launch import read_json, run_task, update_meta
-from harness.models import save_folder
-from harness.noise.fp8 import high_precision, shadow_pass
-from harness.objectives.opsd import teacher_inputs
-from harness.repetition import repetition_reports
-from harness.setup import (
-    Setup,
-    build_setup,
-    rollout_sampling,
-    step_seed,
-    token_budget,
-    validate,
-    validate_ranks,
-)
-from harness.step import collect, gather_batch, share_rows, update, update_distill
+from harness.rl.setup import Setup, build_setup, rollout_sampling, step_seed, token_budget
+from harness.rl.step import collect, gather_batch, share_rows, update, update_distill
+from harness.runs import config as _schema  # noqa: F401  (registers the structured-config schema)
+from harness.runs.launch import read_json, run_task, update_meta
+from harness.runs.tracking import Tracker, plain_line
+from harness.runs.validate import validate, validate_ranks
+from harness.sampling.engines import Engine
+from harness.stats.diagnostics import bin_means, check_collapse, dials, identity_check
+from harness.stats.repetition import repetition_reports
 from harness.tasks import Task
-from harness.tracking import Tracker, plain_line
 
 
 class TrainingAborted(RuntimeError):
@@ -84,8 +78,9 @@ class TrainingAborted(RuntimeError):
 
 
 def rollout_dials(batch: TokenBatch) -> dict[str, float]:
-    """The dials of harness.diagnostics on ρ = π_old/μ (the trainer at the behaviour weights vs
-    the sampler: Table 1 row 3) and the identity check, plus the trainer's entropy per bin."""
+    """The dials of harness.stats.diagnostics on ρ = π_old/μ (the trainer at the behaviour weights
+    vs
+        the sampler: Table 1 row 3) and the identity check, plus the trainer's entropy per bin."""
     m, x = batch.mask, batch.log_rho
     chk = identity_check(batch.logp_recompute, batch.logp_mu, m)
     return {
@@ -177,8 +172,8 @@ def start(cfg: DictConfig) -> tuple[Path, Setup, int, dict]:
     """Validate, write config.yaml, run the step-0 mechanism check, build the setup and resume:
     (run directory, setup, first step, collapse-guard state). Across ranks, rank 0 writes the
     files and runs the mechanism check while the others wait."""
-    from harness.models import resolve_device
-    from harness.setup import fsdp
+    from harness.base.models import resolve_device
+    from harness.runs.validate import fsdp
 
     validate(cfg)
     ranks = distributed.environment()
@@ -195,7 +190,7 @@ def start(cfg: DictConfig) -> tuple[Path, Setup, int, dict]:
         # the step-0 mechanism check on a setup of its own, before the run's seeds are set:
         # its draws (fresh noise, model init) cannot move the run's (tested); across ranks each
         # scores its share of the batches with the sharded trainer, as a training step does
-        from harness import mechanism
+        from harness.rl import mechanism
 
         check = mechanism.run(cfg, validated=True, ranks=ranks)
         if lead:

@@ -113,14 +113,14 @@ stage device_tests 100 175 "${PYTEST[@]}" -m "gpu and not slurm and not recipe" 
 # shellcheck disable=SC2086  # BENCH_ARGS / FP8_ARGS are word lists
 stage bench 150 120 "$PY" benchmarks/bench_gpu.py --devices "$DEVICES" $BENCH_ARGS \
   --json "$OUT/bench_gpu.json"
-if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('harness.fp8_fidelity') is None)"
+if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('harness.stats.fp8_fidelity') is None)"
 then
   # shellcheck disable=SC2086
-  stage fp8_fidelity 90 80 "$PY" -m harness.fp8_fidelity --model smollm2-shaped \
+  stage fp8_fidelity 90 80 "$PY" -m harness.stats.fp8_fidelity --model smollm2-shaped \
     --n-layers 4 --sharpen 10 --device "$FP8_DEVICE" --dtype bf16 \
     --out "$OUT/fp8_fidelity" $FP8_ARGS  # 4 layers, logits ×10: tokens in every confidence bin
 else
-  record fp8_fidelity missing 0 "harness/fp8_fidelity.py is not in this tree"
+  record fp8_fidelity missing 0 "harness/stats/fp8_fidelity.py is not in this tree"
 fi
 
 # (e) FSDP2 at world size 1: torchrun, the trainer sharded (engine.fsdp=true: a process group of
@@ -141,11 +141,11 @@ stage bench_memory 60 5 "$PY" benchmarks/bench_memory.py --device "$MEM_DEVICE" 
 
 # (g) vLLM as the sampler (tests/test_vllm.py: fp32 agreement with the trainer, seeding, weight
 # sync), when a Python with vLLM is there: RATIOLAB_VLLM_PYTHON, else the venv `make vllm` builds
-VLLM_PY=$("$PY" -m harness.vllm_engine 2>/dev/null)
+VLLM_PY=$("$PY" -m harness.sampling.vllm_engine 2>/dev/null)
 if [ -n "$VLLM_PY" ] && [ -x "$VLLM_PY" ]; then
   stage vllm 120 5 "${PYTEST[@]}" -m slow tests/test_vllm.py -k "fp32 or seed or tied"
 else
-  record vllm absent 0 "no Python with vLLM (${VLLM_PY:-harness.vllm_engine failed}): set RATIOLAB_VLLM_PYTHON or carry a vLLM venv"
+  record vllm absent 0 "no Python with vLLM (${VLLM_PY:-harness.sampling.vllm_engine failed}): set RATIOLAB_VLLM_PYTHON or carry a vLLM venv"
 fi
 
 # (h) the summary (standard library only), printed; at most 8 files under $OUT

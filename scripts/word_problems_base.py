@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from harness.engines import Engine
-from harness.models import load_model
-from harness.registry import build
+from harness.base.models import load_model
+from harness.base.registry import build
+from harness.sampling.engines import Engine
 from harness.tasks import TASKS
 
 STR_KWARGS = ("ops", "instruction")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from harness.models import load_model
+from harness.base.models import load_model
 
 # `device`-parametrised tests run on the CPU everywhere and on CUDA where present; the cuda ids
 # are `gpu`-marked, so CPU CI (-m "not gpu") runs the CPU half, and `pytest -m gpu` (or
@@ -40,7 +40,8 @@ def _seed():
 def _no_hydra_job_left_behind():
     """A test that sets Hydra's job config (HydraConfig.set_config, as a job would) leaves it
     unset again: a later test's plain `compose` is no Hydra job, and the checks that read the
-    job's group choices (harness.launch.check_group_names) must not read an earlier test's."""
+    job's group choices (harness.runs.validate.check_group_names) must not read an earlier
+    test's."""
     from hydra.core.hydra_config import HydraConfig
 
     yield

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.alpha import WeightHistory, minibatch_lags, minibatch_schedule, perturb_weights_
-from harness.models import tiny_llama
+from harness.base.models import tiny_llama
+from harness.rl.alpha import WeightHistory, minibatch_lags, minibatch_schedule, perturb_weights_
 
 
 def test_perturb_weights_has_the_requested_relative_size():

@@ -7,8 +7,8 @@ from hydra import compose, initialize_config_dir
 
 from analysis import common, layer_amplification, noise_anatomy, snr_table
 from harness import measure
-from harness.diagnostics import bin_index
-from harness.snr import BinnedMoments, SNRSplit
+from harness.stats.diagnostics import bin_index
+from harness.stats.snr import BinnedMoments, SNRSplit
 
 CONFIG_DIR = str((measure.__file__.rsplit("/harness/", 1)[0]) + "/experiments")
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from harness.batch import (
+from harness.base.batch import (
     TokenBatch,
     log_ratio_folded,
     log_ratio_trust_region,

@@ -20,7 +20,7 @@ from analysis.claims import (
 )
 from analysis.stats import paired_t
 from harness import train
-from harness.prereg import check_prereg
+from harness.runs.prereg import check_prereg
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 PREREG = {

@@ -1,6 +1,6 @@
 """The config tree `experiments/`: presets compose against the schema (every point of their sweep
 grid), group files match the registries, and bad input fails at composition or at the start-up
-check (`harness.launch.check_nodes`), never on the cluster."""
+check (`harness.runs.validate.check_nodes`), never on the cluster."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf, open_dict
 
-from harness import config as _schema  # noqa: F401  (registers train_schema)
 from harness import measure as _measure  # registers measure_schema
-from harness.config import TrainConfig
-from harness.launch import check_nodes
 from harness.noise import NOISE
 from harness.objectives import AGGREGATIONS, OBJECTIVES
+from harness.runs import config as _schema  # noqa: F401  (registers train_schema)
+from harness.runs.config import TrainConfig
+from harness.runs.validate import check_nodes
 from harness.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,9 +122,11 @@ def test_preset_composes_over_its_grid(name, tmp_path):
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_group_files_match_registry(group, tmp_path):
     """Every group file is a registry entry of its own name, or (noise only) an instance of one
-    that harness.fit_noise wrote (its header says so; its `name` is a registered noise)."""
+    that harness.stats.fit_noise wrote (its header says so; its `name` is a registered noise)."""
     files = {p.stem: p for p in (EXP / group).glob("*.yaml")}
-    fitted = {s for s, p in files.items() if "(harness.fit_noise)" in p.read_text().split("\n")[0]}
+    fitted = {
+        s for s, p in files.items() if "(harness.stats.fit_noise)" in p.read_text().split("\n")[0]
+    }
     assert group == "noise" or not fitted
     assert set(files) - fitted == GROUPS[group]
     for option in sorted(fitted):
@@ -153,8 +155,8 @@ def test_group_files_do_not_restate_python_defaults(group):
 def test_noise_files_state_only_what_differs_from_the_builder():
     """A noise file names its builder, links the noise seed to the run seed (so arms paired by
     seed share one noise field) and states only values that differ from the builder's
-    signature: a fitted σ (harness.fit_noise) is a value, a restated default is a second source
-    of truth."""
+    signature: a fitted σ (harness.stats.fit_noise) is a value, a restated default is a second
+    source of truth."""
     import inspect
 
     from harness.noise import NOISE
@@ -233,7 +235,7 @@ def test_an_objective_trains_the_loss_harness_measure_builds(name, tmp_path):
     import torch
 
     from harness.objectives import build_objective
-    from harness.setup import build_train_objective
+    from harness.rl.setup import build_train_objective
     from tests.test_objectives import random_batch
 
     cfg, _, _ = load("train", [f"objective={name}"], tmp_path)
@@ -276,7 +278,7 @@ def test_launchers_compose(tmp_path):
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.max_num_timeout > 0 and launcher.partition
-    assert cfg.hydra.callbacks.slurm_guard._target_ == "harness.launch.SlurmGuard"
+    assert cfg.hydra.callbacks.slurm_guard._target_ == "harness.runs.launch.SlurmGuard"
     with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
         cfg = compose("train", ["hydra/launcher=submitit_local"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("LocalLauncher")
@@ -339,7 +341,7 @@ def test_node_typos_fail_before_compute(overrides, match, tmp_path):
 
 
 def test_run_names_are_hashed_when_long_and_never_hold_out_or_progress(tmp_path):
-    from harness.config import RUN_NAME_MAX, run_name
+    from harness.runs.config import RUN_NAME_MAX, run_name
 
     assert run_name("objective=cispo,seed=1") == "objective=cispo,seed=1"
     assert run_name("model.spec=Qwen/Qwen2.5-0.5B,seed=1") == "model.spec=Qwen_Qwen2.5-0.5B,seed=1"
@@ -429,7 +431,7 @@ def test_arms_are_declared_once_and_name_every_run(name, tmp_path):
 def test_opsd_long_presets_use_the_shipped_opsd_long_model(name, tmp_path):
     """The long-response OPSD testbed's recipe (the preset's model.warmstart) is the shipped
     `opsd-long` model's: no 41-minute build on a fresh machine."""
-    from harness.warmstart import recipe_hash, resolve_recipe, shipped_manifest
+    from harness.tasks.warmstart import recipe_hash, resolve_recipe, shipped_manifest
 
     cfg, _, _ = load("train", [f"experiment={name}"], tmp_path)
     recipe = resolve_recipe(cfg.task.name, **OmegaConf.to_container(cfg.model.warmstart))

@@ -1,6 +1,7 @@
-"""CTranslate2 as the sampler μ (harness.ct2): the converted model computes what the HF trainer
-computes (float32), `logp_mu` is the law CTranslate2 sampled from (chi-square, as the HF engine),
-the conversion cache is atomic, weight syncs reconvert, and training runs with μ = CTranslate2."""
+"""CTranslate2 as the sampler μ (harness.sampling.ct2): the converted model computes what the HF
+trainer computes (float32), `logp_mu` is the law CTranslate2 sampled from (chi-square, as the HF
+engine), the conversion cache is atomic, weight syncs reconvert, and training runs with μ =
+CTranslate2."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import pytest
 import torch
 from test_engines import _sharpened, assert_faithful_law
 
-from harness.ct2 import Ct2Engine, convert, require_ct2
-from harness.engines import Engine
-from harness.models import weights_sha
+from harness.base.models import weights_sha
+from harness.sampling.ct2 import Ct2Engine, convert, require_ct2
+from harness.sampling.engines import Engine
 
 
 @pytest.fixture
@@ -124,7 +125,7 @@ def test_a_killed_conversion_leaves_nothing_under_the_final_name(tiny_llama, tmp
     script = textwrap.dedent(f"""
         import pathlib, time, ctranslate2
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from harness.ct2 import convert
+        from harness.sampling.ct2 import convert
         def stall(self, output_dir, **kw):
             pathlib.Path(output_dir).mkdir(parents=True)
             (pathlib.Path(output_dir) / "model.bin").write_bytes(b"half")
@@ -164,8 +165,8 @@ def test_missing_ctranslate2_names_the_install_command(monkeypatch):
         require_ct2()
     from omegaconf import OmegaConf
 
-    from harness.config import EngineCfg
-    from harness.samplers import check_sampler
+    from harness.runs.config import EngineCfg
+    from harness.sampling.samplers import check_sampler
 
     eng = OmegaConf.structured(EngineCfg(sampler="ct2"))
     with pytest.raises(ImportError, match="pip install"):

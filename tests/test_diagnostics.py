@@ -1,4 +1,4 @@
-"""harness.diagnostics: every dial by hand, and the streaming Table 7 agrees with it."""
+"""harness.stats.diagnostics: every dial by hand, and the streaming Table 7 agrees with it."""
 
 import math
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from harness import diagnostics as D
-from harness.diagnostics import identity_check
-from harness.snr import DeltaStats
+from harness.stats import diagnostics as D
+from harness.stats.diagnostics import identity_check
+from harness.stats.snr import DeltaStats
 
 L = math.log
 

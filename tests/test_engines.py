@@ -4,8 +4,8 @@ import copy
 import pytest
 import torch
 
-from harness.engines import Engine
-from harness.logprobs import process_logits
+from harness.sampling.engines import Engine
+from harness.sampling.logprobs import process_logits
 
 
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -267,8 +267,8 @@ def _teacher_forced_lean_logits(model, tok, prompts, forced):
     and mask, and the decoder."""
     from transformers import DynamicCache
 
-    from harness.decode import LeanDecoder
-    from harness.engines import position_ids
+    from harness.sampling.decode import LeanDecoder
+    from harness.sampling.engines import position_ids
 
     ids, attn = Engine(model, tok).encode_prompts(prompts)
     cache = DynamicCache()
@@ -287,9 +287,9 @@ def _teacher_forced_lean_logits(model, tok, prompts, forced):
 def test_lean_decode_logits_equal_the_full_forward(spec, device):
     """Teacher-forced: every decode step's logits equal the model's full forward over the whole
     left-padded sequence (GQA in both; SmolLM2: 9 query / 3 KV heads, tied embeddings)."""
-    from harness import decode
-    from harness.engines import position_ids
-    from harness.models import load_model
+    from harness.base.models import load_model
+    from harness.sampling import decode
+    from harness.sampling.engines import position_ids
 
     model, tok = load_model(spec)
     model.to(device)
@@ -321,7 +321,7 @@ def test_lean_decode_logits_equal_the_full_forward(spec, device):
 def test_lean_decode_rollouts_are_bit_identical_to_the_hf_path(spec, dtype, prompts, device):
     """Same kernels as transformers' SDPA path (packed GQA heads with padding, native GQA
     without), so even bf16 rollouts agree bit for bit, with and without left padding."""
-    from harness.models import load_model
+    from harness.base.models import load_model
 
     model, tok = load_model(spec, dtype=dtype)
     if spec == "tiny-llama":
@@ -337,7 +337,7 @@ def test_lean_decode_rollouts_are_bit_identical_to_the_hf_path(spec, dtype, prom
 
 
 def test_lean_decode_is_off_where_it_would_not_be_exact(tiny_llama, tiny_moe):
-    from harness import decode
+    from harness.sampling import decode
 
     model, _ = tiny_llama
     assert decode.supports(model)
@@ -355,7 +355,7 @@ def test_lean_decode_is_off_where_it_would_not_be_exact(tiny_llama, tiny_moe):
 def test_sample_rows_draws_what_torch_multinomial_draws(V):
     """argmax(p / Exp(1)) over the whole [B, V] draw is torch.multinomial's one-sample path:
     the same tokens for every row, and a subset of rows gets its rows' tokens."""
-    from harness.engines import sample_rows
+    from harness.sampling.engines import sample_rows
 
     B = 6
     for seed in range(20):
@@ -461,8 +461,8 @@ def test_pruned_decode_on_the_task_model_and_which_noise_may_prune(threads):
     Noise keyed by the batch (batch noise, per-tensor FP8 activations, fresh noise) keeps
     every row in the batch."""
     from harness.noise import build_noise
-    from harness.tasks import countdown
-    from harness.warmstart import load_task_model
+    from harness.tasks.countdown import countdown
+    from harness.tasks.warmstart import load_task_model
 
     model, tok = load_task_model("countdown")
     eng = Engine(model, tok)
@@ -486,7 +486,7 @@ def test_gemm_rows_do_not_depend_on_the_batch_size_above_the_prune_floor(threads
     there is no premise to check; the next test covers that branch."""
     from torch.nn import functional as F
 
-    from harness.engines import prune_floor
+    from harness.sampling.engines import prune_floor
 
     with _threads(threads):
         floor, g = prune_floor(), torch.Generator().manual_seed(0)
@@ -506,7 +506,7 @@ def test_pruning_is_off_where_gemm_rows_depend_on_the_batch_size(tiny_llama, mon
     then off, with a log line, and every decode step runs all B rows."""
     from torch.nn import functional as F
 
-    from harness import engines
+    from harness.sampling import engines
 
     real = F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: real(x, w, b) + 1e-7 * x.shape[0])
@@ -552,7 +552,7 @@ def test_pruning_is_off_where_gemm_rows_depend_on_the_batch_size(tiny_llama, mon
 def test_gather_rows_equals_index_select_with_its_gradient(inv):
     """The trainer's per-row copy of each prompt's keys: values and gradient bit-identical to
     index_select (expand path for adjacent GRPO groups, index_select otherwise)."""
-    from harness.engines import gather_rows
+    from harness.sampling.engines import gather_rows
 
     inv = torch.tensor(inv)
     base = torch.randn(3, 5, 4, 8, generator=torch.Generator().manual_seed(0))
@@ -567,7 +567,7 @@ def test_gather_rows_equals_index_select_with_its_gradient(inv):
 
 
 def test_keep_rows_tops_up_to_the_floor_and_keeps_a_padded_row():
-    from harness.engines import keep_rows
+    from harness.sampling.engines import keep_rows
 
     live = torch.tensor([True, False, False, True, False])
     assert keep_rows(live, 1).tolist() == live.tolist()
@@ -583,7 +583,7 @@ def test_hf_decode_on_a_pruned_cache_equals_the_full_batch_while_a_padded_row_st
     bits move, by ~9e-8 on the tiny Llama: why `keep_rows` keeps one)."""
     from transformers import DynamicCache
 
-    from harness.engines import position_ids
+    from harness.sampling.engines import position_ids
 
     model, tok = tiny_llama
     ids, attn = Engine(model, tok).encode_prompts(["a much longer prompt here"] * 20 + ["x"] * 20)

@@ -226,7 +226,7 @@ def test_summaries_must_name_the_shipped_weights_of_their_recipe():
     import pandas as pd
 
     from analysis.runs import weights_problems
-    from harness.warmstart import shipped_manifest
+    from harness.tasks.warmstart import shipped_manifest
 
     h, entry = next(iter(shipped_manifest().items()))
     ok = pd.DataFrame({"recipe_hash": [h, h], "weights_sha": [entry["weights_sha"]] * 2})

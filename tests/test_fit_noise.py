@@ -1,4 +1,4 @@
-"""harness.fit_noise: the fit recovers the σ of injected logit noise (ground truth the harness
+"""harness.stats.fit_noise: the fit recovers the σ of injected logit noise (ground truth the harness
 controls), writes a noise config that composes, and the check compares per bin."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import yaml
 from test_measure import TINY
 from test_measure import _cfg as measure_cfg
 
-from harness import fit_noise, measure
+from harness import measure
+from harness.stats import fit_noise
 
 TASK_MODEL = str(Path(fit_noise.__file__).parent / "task_models" / "1d46e5429706")  # countdown
 

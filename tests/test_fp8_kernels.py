@@ -18,13 +18,13 @@ import math
 import pytest
 import torch
 
-from harness import fp8_fidelity as fid
-from harness.diagnostics import bin_index
-from harness.engines import Engine
-from harness.models import load_model, smollm2_shaped, tiny_llama, tiny_moe, weights_sha
+from harness.base.models import load_model, smollm2_shaped, tiny_llama, tiny_moe, weights_sha
 from harness.noise import Fp8Noise, fp8_qdq
 from harness.noise import fp8 as fp8_module
 from harness.noise.fp8 import fp8_kernel_available, fp8_quantise
+from harness.sampling.engines import Engine
+from harness.stats import fp8_fidelity as fid
+from harness.stats.diagnostics import bin_index
 
 GRANS = [("tensor", "tensor"), ("row", "row"), ("tensor", "row"), ("row", "tensor")]
 E4M3_MAX = 448.0

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from harness import setup
+from harness.runs import validate
 from tests.test_train import _cfg
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,11 +232,11 @@ def test_a_bad_value_for_the_world_size_fails_before_compute(tmp_path, world, ov
     over = ["noise=logit", override] if "noise" in override else [override]
     cfg = _cfg(tmp_path, *over)
     with pytest.raises(ValueError, match=f"{key}.*valid"):
-        setup.validate_ranks(cfg, world)
+        validate.validate_ranks(cfg, world)
 
 
 def test_fsdp_of_a_model_without_a_decoder_layer_list_names_the_spec():
-    from harness.distributed import shard
+    from harness.base.distributed import shard
 
     with pytest.raises(ValueError, match="model.spec='my/mlp'.*valid"):
         shard(torch.nn.Sequential(torch.nn.Linear(2, 2)), "my/mlp", torch.float32)

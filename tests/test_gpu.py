@@ -14,10 +14,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import measure, train
-from harness.engines import Engine
-from harness.models import load_model
+from harness.base.models import load_model
 from harness.noise import build_noise, prefix_hash
 from harness.noise.context import hashed_normal, hashed_student_t, mix64
+from harness.sampling.engines import Engine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -97,7 +97,7 @@ def test_rollout_lives_on_cuda_and_its_seed_reproduces_it():
 
 def test_nsr_rescue_draws_do_not_depend_on_the_device():
     """NSR's generator stays on the CPU: the same rescued tokens on CPU and CUDA."""
-    from harness.batch import TokenBatch
+    from harness.base.batch import TokenBatch
     from harness.objectives import build_objective
 
     g = torch.Generator().manual_seed(0)

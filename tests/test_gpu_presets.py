@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from test_configs import EXP, MODEL_SPECS, grid, load
 
-from harness.config import TrainConfig
 from harness.noise import build_noise
-from harness.prereg import check_prereg
+from harness.runs.config import TrainConfig
+from harness.runs.prereg import check_prereg
 
 GPU = EXP / "experiment" / "gpu"
 BASE = GPU / "_base.yaml"  # the GPU scale the training presets inherit: not a preset
@@ -90,7 +90,7 @@ def test_train_preset_inherits_the_gpu_base(name, tmp_path):
 
 @pytest.mark.parametrize("name", TRAIN)
 def test_train_preset_composes_and_passes_start_up_checks(name, tmp_path):
-    from harness.setup import validate
+    from harness.runs.validate import validate
 
     with pytest.raises(MissingMandatoryValue, match="task.path"):  # the user's data, no default
         load("train", [f"experiment=gpu/{name}"], tmp_path)
@@ -128,9 +128,8 @@ def test_train_preset_composes_and_passes_start_up_checks(name, tmp_path):
 
 @pytest.mark.parametrize("name", MEASURE)
 def test_measure_preset_composes_and_passes_start_up_checks(name, tmp_path):
-    from harness.launch import check_nodes
     from harness.measure import validate
-    from harness.setup import noise_nodes
+    from harness.runs.validate import check_nodes, noise_nodes
 
     cfg, _, _ = load("measure", [preset(name)], tmp_path)
     assert cfg.name == name and cfg.engine.device == "cuda" and not cfg.engine.tf32
@@ -157,7 +156,7 @@ def test_launchers_for_the_gpu_presets(name):
     assert la["gpus_per_node"] == 1 and la["gres"] is None
     assert la["cpus_per_task"] == 8 and la["mem_gb"] >= 32 and la["timeout_min"] >= 240
     assert "export OMP_NUM_THREADS=8" in la["setup"] and la["max_num_timeout"] > 0
-    assert h["callbacks"]["slurm_guard"]["_target_"] == "harness.launch.SlurmGuard"
+    assert h["callbacks"]["slurm_guard"]["_target_"] == "harness.runs.launch.SlurmGuard"
     typed = launcher(name, job, [*data, "hydra/launcher=slurm_gpu",
                                  "hydra.launcher.gres=gpu:h100:1",
                                  "hydra.launcher.gpus_per_node=null"])["launcher"]  # fmt: skip

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from harness.io import make_temp_dir, write_json_atomic, write_text_atomic
+from harness.base.io import make_temp_dir, write_json_atomic, write_text_atomic
 
 
 @pytest.fixture

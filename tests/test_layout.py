@@ -73,6 +73,39 @@ def test_no_import_cycles_and_harness_never_imports_analysis():
     assert {m: d for m, d in wrong.items() if m.startswith("harness") and d} == {}
 
 
+# harness's subpackages, lowest first: a module imports its own package and those below it, never
+# one above (the entry points train and measure sit on top; nothing imports them).
+LAYERS = ("base", "noise", "sampling", "stats", "tasks", "objectives", "runs", "rl")
+ENTRY_POINTS = ("harness.train", "harness.measure")
+
+
+def layer(module: str) -> int:
+    """The rank of a harness module: its subpackage's place in LAYERS; an entry point is above
+    them all."""
+    parts = module.split(".")
+    if module in ENTRY_POINTS:
+        return len(LAYERS)
+    assert len(parts) >= 2 and parts[1] in LAYERS, f"{module} is in no layer"
+    return LAYERS.index(parts[1])
+
+
+def test_every_harness_module_sits_in_a_layer_and_imports_only_downward():
+    graph = import_graph(ROOT, packages=("harness",))
+    mods = [m for m in graph if m != "harness"]
+    upward = {
+        m: sorted(d for d in graph[m] if d != "harness" and layer(d) > layer(m)) for m in mods
+    }
+    assert {m: d for m, d in upward.items() if d} == {}
+
+
+def test_layer_by_hand():
+    assert layer("harness.base.io") == 0
+    assert layer("harness.rl.step") == LAYERS.index("rl")
+    assert layer("harness.train") == len(LAYERS) > layer("harness.rl.setup")
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer("harness.flat_module")
+
+
 # the project's history: an issue by number (issue 16, issue-16, #16) or as "the issue"; a working
 # session by number or as an earlier one; what a change fixed; the notes/ folder outside the tree
 HISTORY = re.compile(

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from harness.logprobs import (
+from harness.sampling.logprobs import (
     chunked_logp,
     chunked_stats,
     process_logits,

@@ -13,10 +13,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from harness import measure
-from harness.config import EngineCfg
 from harness.objectives import build_objective
-from harness.setup import noise_nodes
-from harness.snr import TABLE6_COLUMNS
+from harness.runs.config import EngineCfg
+from harness.runs.validate import noise_nodes
+from harness.stats.snr import TABLE6_COLUMNS
 
 CONFIG_DIR = str((measure.__file__.rsplit("/harness/", 1)[0]) + "/experiments")
 MEASURE = Path(CONFIG_DIR) / "measure"  # the presets: python -m harness.measure measure=<name>

@@ -26,14 +26,15 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import harness.engines
-import harness.step
-from harness import setup, train
-from harness.diagnostics import collapse_guard
-from harness.engines import Engine, micro_batches
+import harness.rl.step
+import harness.sampling.engines
+from harness import train
 from harness.noise import build_noise
 from harness.objectives import OBJECTIVES
 from harness.objectives.core import ObjectiveOutput, PolicyObjective
+from harness.rl import setup
+from harness.sampling.engines import Engine, micro_batches
+from harness.stats.diagnostics import collapse_guard
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 TOL = 2e-5
@@ -83,8 +84,8 @@ def parts_seen(monkeypatch):
         seen.append([p.stop - p.start for p in parts])
         return parts
 
-    monkeypatch.setattr(harness.engines, "micro_batches", spy)
-    monkeypatch.setattr(harness.step, "micro_batches", spy)
+    monkeypatch.setattr(harness.sampling.engines, "micro_batches", spy)
+    monkeypatch.setattr(harness.rl.step, "micro_batches", spy)
     return seen
 
 
@@ -253,8 +254,8 @@ def naive_accumulation(objective, logp, mb, parts):
 def test_a_per_micro_batch_denominator_is_far_outside_the_tolerance(tmp_path, agg):
     """The equality tests can fail: on one rollout the naive accumulation's gradient is off by
     far more than TOL from the minibatch loss's, which `backward_through_logp` reproduces."""
-    from harness.step import collect
-    from harness.tasks import ArithmeticTask
+    from harness.rl.step import collect
+    from harness.tasks.arithmetic import ArithmeticTask
 
     cfg = _cfg(tmp_path, "objective=stapo", "objective.tau_p=0.05", f"aggregation={agg}")
     s = setup.build_setup(cfg)
@@ -395,8 +396,10 @@ def test_the_replayed_routes_are_what_makes_the_recomputation_right(tiny_moe, mo
     plain = Engine(copy.deepcopy(model).train(), tok, noise=[build_noise("replay")])
     ckpt = Engine(copy.deepcopy(model).train(), tok, noise=[build_noise("replay")],
                   activation_checkpointing=True)  # fmt: skip
-    real = harness.engines._as_in_forward
-    monkeypatch.setattr(harness.engines, "_as_in_forward", lambda ctx, routes: real(ctx, []))
+    real = harness.sampling.engines._as_in_forward
+    monkeypatch.setattr(
+        harness.sampling.engines, "_as_in_forward", lambda ctx, routes: real(ctx, [])
+    )
     try:
         g = grads_of(ckpt, ro)
     except torch.utils.checkpoint.CheckpointError:

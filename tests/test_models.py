@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import models
-from harness.models import load_model, upcycle_to_moe
+from harness.base import models
+from harness.base.models import load_model, upcycle_to_moe
 
 
 def test_unknown_spec_lists_valid():
@@ -126,7 +126,7 @@ def test_unknown_and_unreachable_specs_fail_in_one_line(monkeypatch):
 
 
 def test_resolve_device_and_its_errors(monkeypatch):
-    from harness.models import resolve_device
+    from harness.base.models import resolve_device
 
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto") == torch.device(expected)
@@ -146,7 +146,7 @@ def test_resolve_device_and_its_errors(monkeypatch):
 
 
 def test_tf32_is_off_unless_asked_for():
-    from harness.models import set_tf32
+    from harness.base.models import set_tf32
 
     before, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:

@@ -18,7 +18,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from harness.models import load_model, tiny_llama, upcycle_to_moe
+from harness.base.models import load_model, tiny_llama, upcycle_to_moe
 from harness.noise import (
     NOISE,
     build_noise,
@@ -685,8 +685,8 @@ def test_position_noise_delta_logp_between_clean_trainer_and_noisy_sampler_follo
     mean |Δ| = √(2/π)·σ(p)·√(1 − 1/V). Tolerances from the sample: per position 5 standard
     errors (sd(|Δ|)/mean|Δ| = √(π/2 − 1)) + 3% for the second-order terms; the late/early ratio
     within 10% of σ(late)/σ(early)."""
-    from harness.engines import Engine
     from harness.noise import position_ids
+    from harness.sampling.engines import Engine
 
     model, tok = uniform_llama()
     sigma, length, T = 0.05, 8.0, 24
@@ -718,7 +718,7 @@ def test_position_noise_same_in_prefill_kv_decode_recompute_and_rescore():
     cache and one decoding by full recompute sample the same tokens with the same logp_mu; a
     noisy trainer re-scoring them reproduces logp_mu; a padded row re-scored alone, unpadded,
     gets the same numbers (positions count real tokens only)."""
-    from harness.engines import Engine
+    from harness.sampling.engines import Engine
 
     model, tok = load_model("tiny-llama", seed=0)
     with torch.no_grad():
@@ -745,7 +745,7 @@ def test_position_noise_same_in_prefill_kv_decode_recompute_and_rescore():
 def test_position_noise_sigma_zero_is_bit_identical_and_sigma_scales_every_position():
     """sigma = 0: the logits and the sampler's rollouts are bit-identical to no noise.
     drivers.beta_growth sets `sigma`: doubling it doubles σ(p) at every position, exactly."""
-    from harness.engines import Engine
+    from harness.sampling.engines import Engine
 
     model, tok = load_model("tiny-llama", seed=0)
     x = ids(2, 16)

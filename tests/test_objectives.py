@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from harness.batch import TokenBatch
+from harness.base.batch import TokenBatch
 from harness.objectives import AGGREGATIONS, OBJECTIVES, build_objective
 from harness.objectives.core import PolicyObjective, clamp, ppo_clip_loss
 from harness.objectives.methods import cis_weight

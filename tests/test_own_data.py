@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.models import export, load_model
+from harness.base.models import export, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
@@ -43,7 +43,7 @@ def test_a_folder_model_and_a_parquet_dataset_train_through_the_cli(tmp_path):
 def _compose(*overrides):
     from hydra import compose, initialize_config_dir
 
-    from harness import config as _schema  # noqa: F401  (registers train_schema)
+    from harness.runs import config as _schema  # noqa: F401  (registers train_schema)
 
     with initialize_config_dir(config_dir=str(ROOT / "experiments"), version_base="1.3"):
         return compose("train", overrides=list(overrides))
@@ -55,7 +55,7 @@ def test_a_dataset_with_the_default_task_model_names_what_to_pass(tmp_path):
     dataset file when it is missing too."""
     import pytest
 
-    from harness.setup import validate
+    from harness.runs.validate import validate
 
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(ValueError) as e:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.repetition import (
+from harness.stats.repetition import (
     MAX_PERIOD,
     MIN_PERIOD,
     copy_mask,

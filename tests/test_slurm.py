@@ -1,5 +1,5 @@
 """Sweeps on a real Slurm cluster (with accounting) through `hydra/launcher=slurm`, and the task
-wrapper `harness.launch.run_task` they rely on.
+wrapper `harness.runs.launch.run_task` they rely on.
 
 The `slurm` tests need the single-node cluster of `scripts/slurm/up.sh` (CI starts it; here the
 fixture starts it when root, and stops what it started). They are skipped with the reason where
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from harness.launch import run_task
+from harness.runs.launch import run_task
 
 REPO = Path(__file__).resolve().parents[1]
 UP, DOWN = REPO / "scripts/slurm/up.sh", REPO / "scripts/slurm/down.sh"
@@ -233,7 +233,7 @@ def test_a_bad_sweep_point_is_refused_before_anything_is_submitted(cluster, tmp_
 
 @pytest.mark.slurm
 def test_task_traceback_reaches_driver_and_run_dir(cluster, tmp_path):
-    # a value every check before submission accepts (harness.presubmit) and training rejects:
+    # a value every check before submission accepts (harness.runs.presubmit) and training rejects:
     # lr 1e39 is inf in fp32, so the first step's weights are non-finite and the run aborts
     r = run_driver(
         driver(tmp_path, "optim.lr=0.0001,1e+39", steps=2, **{"guard.max_nonfinite": 1}), 300

@@ -1,12 +1,13 @@
-"""harness.snr: streaming moments / quantiles and the SNR split, against exact numpy answers."""
+"""harness.stats.snr: streaming moments / quantiles and the SNR split, against exact numpy
+answers."""
 
 import numpy as np
 import pytest
 
-from harness.batch import TokenBatch
-from harness.diagnostics import bin_index
+from harness.base.batch import TokenBatch
 from harness.objectives import build_objective
-from harness.snr import (
+from harness.stats.diagnostics import bin_index
+from harness.stats.snr import (
     TABLE6_COLUMNS,
     BinnedMoments,
     DeltaStats,

@@ -6,19 +6,12 @@ from fractions import Fraction
 
 import pytest
 
-from harness.models import CHAR_ALPHABET
-from harness.registry import build
-from harness.tasks import (
-    TASKS,
-    ExprError,
-    arithmetic_trace,
-    countdown_reward,
-    extract_answer,
-    last_boxed,
-    last_number,
-    parse_expression,
-    place_parts,
-)
+from harness.base.models import CHAR_ALPHABET
+from harness.base.registry import build
+from harness.tasks import TASKS
+from harness.tasks.arithmetic import arithmetic_trace, place_parts
+from harness.tasks.countdown import ExprError, countdown_reward, parse_expression
+from harness.tasks.graders import extract_answer, last_boxed, last_number
 
 
 def task(name, **kw):
@@ -251,8 +244,8 @@ def test_rollout_rewards_match_rows_to_their_prompts_and_drop_masked_text():
     do not count. Expected rewards by hand: [1, 0, 1, 0]."""
     import torch
 
-    from harness.models import char_tokenizer
-    from harness.rollout import Rollout
+    from harness.base.models import char_tokenizer
+    from harness.sampling.rollout import Rollout
 
     tok, t = char_tokenizer(), task("arithmetic")
     p0, p1 = t.sample(2, "train", seed=0)
@@ -287,7 +280,7 @@ CHAT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if ad
 
 
 def test_prompts_go_into_the_tokenizers_chat_template_when_it_has_one(tmp_path):
-    from harness.models import char_tokenizer
+    from harness.base.models import char_tokenizer
 
     path = str(write_jsonl(tmp_path / "d.jsonl", GSM[:4]))
     tok = char_tokenizer()
@@ -343,7 +336,7 @@ def test_one_word_problem_by_hand():
     """A seeded draw, checked whole: its wording, worked line, answer and key agree."""
     import random
 
-    from harness.tasks import WORD_NAMES, WordProblemTask
+    from harness.tasks.word_problems import WORD_NAMES, WordProblemTask
 
     p = WordProblemTask(1, 10, 0.25, 48, "", True).draw(random.Random(0))
     name, _, n, item = p.prompt.rstrip("?").replace(".", "").split()[:4]
@@ -355,7 +348,7 @@ def test_one_word_problem_by_hand():
 
 
 def test_word_problems_go_into_the_chat_template_when_the_tokenizer_has_one():
-    from harness.models import char_tokenizer
+    from harness.base.models import char_tokenizer
 
     tok = char_tokenizer()
     raw = task("word_problems")

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from harness import train
-from harness.tracking import ALIASES, aliased, plain_line, scalars
+from harness.runs.tracking import ALIASES, aliased, plain_line, scalars
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 TINY = ["model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2",

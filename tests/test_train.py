@@ -5,11 +5,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import setup, train
-from harness.engines import Engine
+from harness import train
+from harness.base.batch import group_advantages
 from harness.objectives import OBJECTIVES
 from harness.objectives.opsd import copy_exit_mass
-from harness.step import group_advantages
+from harness.rl import setup
+from harness.runs import validate
+from harness.sampling.engines import Engine
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 TINY = [
@@ -104,7 +106,7 @@ def test_distill_changes_the_student(tmp_path):
     )
     train.run(cfg)
     s1 = torch.load(tmp_path / "checkpoints" / "step_2.pt", weights_only=True)["model"]
-    from harness.models import load_model
+    from harness.base.models import load_model
 
     m0, _ = load_model("tiny-llama")
     diff = max((s1[k] - v).abs().max().item() for k, v in m0.state_dict().items())
@@ -244,7 +246,7 @@ def test_smollm2_three_steps(tmp_path):
 def test_training_pass_doubles_as_logp_old_recompute(tiny_llama):
     """reuse_old_logp: the with-grad training pass gives the same π_old and stats as the
     separate no-grad recompute, including under top-p mask replay and for a subset of rows."""
-    from harness.engines import Engine
+    from harness.sampling.engines import Engine
 
     model, tok = tiny_llama
     eng = Engine(model, tok)
@@ -317,7 +319,7 @@ def test_the_eval_set_is_the_same_for_every_training_seed(tmp_path, monkeypatch)
 def test_copy_exit_mass_by_hand():
     """One response 1 2 1 2 1 2: period 2, first copies at positions 2, 3 (tokens 1, 2). Teacher
     puts p = 0.5 on each copy token, student q = 0.75: R = (0.25 + 0.25) / (0.5 + 0.5) = 0.5."""
-    from harness.repetition import repetition_report
+    from harness.stats.repetition import repetition_report
 
     rep = repetition_report([1, 2, 1, 2, 1, 2])
     assert rep["first_copy_positions"] == [2, 3] and rep["first_copy_tokens"] == [1, 2]
@@ -354,7 +356,7 @@ def test_routing_replay_leaves_evaluation_to_the_trainers_own_routes(tmp_path):
     rollout, its evaluation samples exactly as the same weights without R3 attached (routes left
     attached would not fit the evaluation batch at m ≥ 2, and be stale ones at m = 1)."""
     from harness.noise import build_noise
-    from harness.setup import build_setup
+    from harness.rl.setup import build_setup
 
     s = build_setup(_cfg(tmp_path, "model=tiny-moe", "noise=routing", "engine.routing_replay=true"))
     ro = s.sampler.generate(["1+1=", "2+3="], n=4, max_new_tokens=5, seed=0)
@@ -488,7 +490,7 @@ def test_every_check_runs_before_any_model_is_built(tmp_path, monkeypatch, overr
 def test_a_folder_that_is_not_a_model_fails_before_compute_naming_model_spec(tmp_path):
     (tmp_path / "not-a-model").mkdir()
     with pytest.raises(ValueError, match=r"model.spec=.*not-a-model.; valid: a Hugging Face"):
-        setup.validate(_cfg(tmp_path, f"model.spec={tmp_path}/not-a-model"))
+        validate.validate(_cfg(tmp_path, f"model.spec={tmp_path}/not-a-model"))
 
 
 def test_a_dataset_that_is_not_there_fails_before_the_model_loads(tmp_path, monkeypatch):
@@ -524,7 +526,7 @@ def test_diverged_finite_weights_abort_cleanly(tmp_path, alternating_reward):
 
 
 def test_sampler_refuses_a_nonfinite_distribution(tiny_llama):
-    from harness.engines import Engine
+    from harness.sampling.engines import Engine
 
     model, tok = tiny_llama
     with torch.no_grad():
@@ -542,8 +544,8 @@ def test_rerun_with_a_different_config_fails_before_compute_and_lists_the_keys(t
 
 
 def test_a_refused_rerun_leaves_the_finished_runs_record_as_it_was(tmp_path):
-    from harness.io import RefusedRerun
-    from harness.launch import run_task
+    from harness.base.io import RefusedRerun
+    from harness.runs.launch import run_task
 
     run_task(train.run, _cfg(tmp_path, "steps=2", "optim.lr=1e-3"))
     meta = (tmp_path / "meta.json").read_text()
@@ -678,7 +680,7 @@ def test_raising_steps_extends_the_run_in_its_folder_and_out_leaves_no_hydra_onl
 def test_mechanism_check_by_hand():
     """Four tokens, band [0.5, 2], ε = 0.2/0.28: r = 0.4 (fork, A < 0), 1.0 (fork, A > 0),
     2.5 (confident, A > 0), 0.7 (confident, A < 0); the fifth position is padding."""
-    from harness.mechanism import check
+    from harness.rl.mechanism import check
 
     x = torch.log(torch.tensor([[0.4, 1.0, 2.5, 0.7, 9.0]]))
     p_t = torch.tensor([[0.2, 0.4, 0.9, 0.95, 0.1]])
@@ -701,7 +703,7 @@ def test_mechanism_check_sees_no_mechanism_without_noise_and_some_with_it(
 ):
     """Ground truth the harness controls: with no noise r ≡ 1 (nothing out of band, nothing
     clipped); heavy logit noise puts tokens out of band and clips negative-advantage ones."""
-    from harness import mechanism
+    from harness.rl import mechanism
 
     clean = mechanism.run(_cfg(tmp_path / "a", "objective=cispo"))
     assert clean["oob_frac"] == 0 and clean["neg_low_clip"] == 0 and clean["pos_high_clip"] == 0
@@ -753,7 +755,7 @@ def test_beta_growth_scales_the_sampler_noise_linearly_over_the_run(tmp_path):
 
 
 def test_the_entropy_driver_switches_training_prompts_to_the_harder_task(tmp_path, monkeypatch):
-    from harness.tasks import ArithmeticTask
+    from harness.tasks.arithmetic import ArithmeticTask
 
     seen = []
     sample = ArithmeticTask.sample
@@ -770,9 +772,9 @@ def test_the_entropy_driver_switches_training_prompts_to_the_harder_task(tmp_pat
     assert {d for split, d in seen if split == "eval"} == {1}  # the eval set stays the task's
     assert [r["drivers/harder"] for r in _metrics(tmp_path)] == [0.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="drivers.harder"):
-        setup.validate(_cfg(tmp_path / "b", "drivers.harder_at=2"))
+        validate.validate(_cfg(tmp_path / "b", "drivers.harder_at=2"))
     with pytest.raises((ValueError, TypeError), match="digts"):
-        setup.validate(_cfg(tmp_path / "c", "drivers.harder_at=2", "+drivers.harder.digts=2"))
+        validate.validate(_cfg(tmp_path / "c", "drivers.harder_at=2", "+drivers.harder.digts=2"))
 
 
 def test_opsd_with_the_student_as_its_own_teacher_has_zero_loss_and_gradient(tmp_path):
@@ -792,7 +794,7 @@ def test_opsd_with_the_student_as_its_own_teacher_has_zero_loss_and_gradient(tmp
 def test_the_opsd_mechanism_check_compares_teacher_and_student(tmp_path):
     """Ground truth: with a teacher prompt that hides the solution ("{prompt}") the teacher is
     the student (a frozen copy of the same initial weights): equal accuracy and log-prob."""
-    from harness import mechanism
+    from harness.rl import mechanism
 
     opsd = ["objective=opsd_fkl", "distill.enabled=true", "objective.top_k=null"]
     same = mechanism.run(_cfg(tmp_path / "a", *opsd, "distill.teacher_prompt='{prompt}'"))
@@ -810,7 +812,7 @@ def test_full_pipeline_fp8_unifies_the_trainer_with_the_sampler(
     measured mismatch log π_old − log μ collapses from the FP8 β of the half pipeline to float
     rounding (KV-cache decode vs one full forward); calibrated clipping then calibrates against
     the high-precision shadow pass, and the loop trains."""
-    from harness import mechanism
+    from harness.rl import mechanism
 
     fp8 = ["noise=fp8", "noise.fmt=e5m2", "engine.logp_old_source=sampler"]
     half = mechanism.run(_cfg(tmp_path / "a", "objective=ppo_clip", *fp8))
@@ -842,7 +844,7 @@ def test_bf16_trainer_updates_fp32_master_weights():
     """AdamW's first steps move a weight by ≈ lr each. At 1.0 a bf16 ulp is 2^-7: steps of 1e-3
     are below half an ulp, so AdamW on the bf16 weight itself never moves it; the fp32 master
     accumulates them (1 + 20·1e-3) and the model holds the master rounded to bf16."""
-    from harness.step import MasterAdamW, adamw
+    from harness.rl.step import MasterAdamW, adamw
 
     def run(opt_of):
         lin = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
@@ -866,7 +868,7 @@ def test_bf16_trainer_updates_fp32_master_weights():
 def test_master_adamw_takes_frozen_parameters_as_adamw_does():
     """harness.measure builds the optimizer on a frozen model, then unfreezes it (the precision
     sweep's bf16 trainer failed with 'empty parameter list' when frozen ones were left out)."""
-    from harness.step import adamw
+    from harness.rl.step import adamw
 
     lin = torch.nn.Linear(2, 2).to(torch.bfloat16).requires_grad_(False)
     opt = adamw(lin, lr=1e-2)
@@ -897,7 +899,7 @@ def test_a_run_that_never_rewards_says_so(tmp_path, capsys):
 
 
 def test_save_final_writes_the_trained_policy_as_a_plain_hf_folder(tmp_path, alternating_reward):
-    from harness.models import load_model, weights_sha
+    from harness.base.models import load_model, weights_sha
 
     cfg = _cfg(tmp_path, "steps=2", "save_final=true", "checkpoint_every=1")
     train.run(cfg)

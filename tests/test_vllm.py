@@ -1,7 +1,7 @@
-"""vLLM as the sampler μ (harness.vllm_engine): in fp32 it samples with the trainer's log-probs,
-`logp_mu` is the law it sampled from (chi-square, with a raw-law negative control), a weight sync
-reaches its tied head and prefix cache, its rollouts are a function of the seed, a dead worker is
-a clear error, bad configs fail before compute, and training runs with μ = vLLM.
+"""vLLM as the sampler μ (harness.sampling.vllm_engine): in fp32 it samples with the trainer's
+log-probs, `logp_mu` is the law it sampled from (chi-square, with a raw-law negative control), a
+weight sync reaches its tied head and prefix cache, its rollouts are a function of the seed, a dead
+worker is a clear error, bad configs fail before compute, and training runs with μ = vLLM.
 
 Needs vLLM's venv (`make vllm`; `make test` builds it first)."""
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_engines import _sharpened, assert_faithful_law
 
-from harness.engines import Engine
-from harness.models import load_model, tiny_llama
-from harness.vllm_engine import VllmEngine, WorkerDied, default_python
+from harness.base.models import load_model, tiny_llama
+from harness.sampling.engines import Engine
+from harness.sampling.vllm_engine import VllmEngine, WorkerDied, default_python
 
 pytestmark = [
     pytest.mark.slow,
@@ -127,7 +127,7 @@ def test_weight_sync_reaches_the_tied_head_and_the_prefix_cache():
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from harness.models import save_folder
+    from harness.base.models import save_folder
 
     model, tok = vllm_tiny()
     return save_folder(model, tok, tmp_path_factory.mktemp("models") / "tiny-llama-hd32")
@@ -167,7 +167,7 @@ def test_training_with_vllm_as_the_sampler(tmp_path, tiny_folder):
 def test_a_bad_vllm_config_fails_before_compute(tmp_path, override, match):
     from test_train import _cfg
 
-    from harness.setup import validate
+    from harness.runs.validate import validate
 
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         validate(_cfg(tmp_path, "engine.sampler=vllm", override))

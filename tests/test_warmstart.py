@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import warmstart as W
-from harness.models import char_tokenizer
+from harness.base.models import char_tokenizer
 from harness.tasks import Problem
+from harness.tasks import warmstart as W
 
 # a few-thousand-parameter model trained for 3 steps: the real recipe, shrunk
 TINY = dict(
@@ -192,14 +192,14 @@ def test_small_arithmetic_recipe_keeps_its_hash():
 
 @pytest.fixture
 def shipped(tmp_path, monkeypatch):
-    """An empty harness/task_models/ stand-in."""
+    """An empty harness/tasks/task_models/ stand-in."""
     d = tmp_path / "shipped"
     monkeypatch.setattr(W, "SHIPPED", d)
     return d
 
 
 def test_weights_sha_names_the_values_not_the_dtype_or_the_object():
-    from harness.models import tiny_llama, weights_sha
+    from harness.base.models import tiny_llama, weights_sha
 
     a, _ = tiny_llama(seed=0)
     b, _ = tiny_llama(seed=0)
@@ -231,7 +231,7 @@ def test_shipped_model_loads_without_training_and_its_checksum_is_enforced(
     monkeypatch.setattr(W, "train_task_model", no_training)
     shutil.rmtree(cache / "task-models")  # only the shipped copy is left
     model, _ = W.load_task_model("arithmetic", progress=False, **TINY)
-    from harness.models import weights_sha
+    from harness.base.models import weights_sha
 
     assert weights_sha(model) == entry["weights_sha"]
     assert next(model.parameters()).dtype == torch.float32
@@ -261,7 +261,7 @@ def test_rebuild_reports_whether_it_reproduced_the_shipped_weights(cache, shippe
 def test_the_default_recipes_ship_and_match_their_manifest():
     """The canonical task models are in the repository (no build on a fresh machine), each is
     the fp16 rounding of its recipe's build and loads to the checksum its results cite."""
-    from harness.models import weights_sha
+    from harness.base.models import weights_sha
 
     manifest = W.shipped_manifest()
     wanted = {

@@ -12,7 +12,8 @@ Registry `NOISE` (name -> class; kwargs are the constructor's, checked at build 
   routing  RoutingNoise(sigma=0.1, seed=0, deterministic=True)   MoE router noise + record
   replay   RoutingReplay(indices=None)                   R3 replay for the trainer
   batch    BatchNoise(sigma=1e-3, key="rows", layers=None, mode="norm", seed=0)
-`precision`, `kv` and `attention` differences are engine settings (harness/engines.py), not here.
+`precision`, `kv` and `attention` differences are engine settings (harness/sampling/engines.py),
+not here.
 
 Engine contract
   noise = build_noise(name, **kwargs)   # KeyError (valid names) / TypeError (valid kwargs)
@@ -45,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from harness.base.registry import build, register
 from harness.noise.base import NoiseModel
 from harness.noise.batch import BatchNoise
 from harness.noise.context import (
@@ -59,7 +61,6 @@ from harness.noise.layer import LayerNoise, layer_amplification
 from harness.noise.logit import LogitNoise
 from harness.noise.position import PositionNoise
 from harness.noise.routing import RoutingNoise, RoutingReplay
-from harness.registry import build, register
 
 NOISE: dict[str, Callable[..., NoiseModel]] = {}
 register(NOISE, "layer")(LayerNoise)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from harness.models import decoder_layers
+from harness.base.models import decoder_layers
 from harness.noise.base import NoiseModel
 
 FORMATS = {  # torch dtype, max finite, emax of the element format (MX)
@@ -639,8 +639,9 @@ class Fp8Trainer(NoiseModel):
 
 
 def high_precision(engine):
-    """A context in which a trainer-side engine (harness.engines.Engine) runs in high precision
-    (engine.trainer_fp8: the shadow pass, evaluation); a no-op for every other engine."""
+    """A context in which a trainer-side engine (harness.sampling.engines.Engine) runs in high
+    precision
+        (engine.trainer_fp8: the shadow pass, evaluation); a no-op for every other engine."""
     fp8 = engine._noise_of(Fp8Trainer) if engine is not None else None
     return fp8.high_precision() if fp8 is not None else contextlib.nullcontext()
 

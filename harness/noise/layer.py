@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from harness.models import decoder_layers
+from harness.base.models import decoder_layers
 from harness.noise.base import NoiseModel
 from harness.noise.context import token_hashes
 

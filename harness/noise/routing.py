@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from harness.models import decoder_layers
+from harness.base.models import decoder_layers
 from harness.noise.base import NoiseModel
 from harness.noise.context import current, token_hashes
 

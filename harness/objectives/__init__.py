@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.base.registry import build
 from harness.objectives import calibrated, methods, nsr, opsd  # noqa: F401  (fill the registries)
 from harness.objectives.core import AGGREGATIONS, OBJECTIVES, Objective, ObjectiveOutput
-from harness.registry import build
 
 __all__ = ["AGGREGATIONS", "OBJECTIVES", "Objective", "ObjectiveOutput", "build_objective"]
 

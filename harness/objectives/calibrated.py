@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from harness.batch import TokenBatch
+from harness.base.batch import TokenBatch
+from harness.base.registry import register
 from harness.objectives.core import (
     OBJECTIVES,
     SAFETY,
@@ -34,7 +35,6 @@ from harness.objectives.core import (
     choice,
 )
 from harness.objectives.methods import clip_term
-from harness.registry import register
 
 
 def matched_low(r_hp: Tensor, r_lp: Tensor, lo_ref: float) -> tuple[float, float]:

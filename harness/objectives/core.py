@@ -6,7 +6,7 @@ One token's loss is `base · sg(coef · w) · keep` (SNR post, Table 9):
   coef   the detached coefficient of a CISPO-form treatment (clamp, band); 1 for the PPO clip
   w      detached correction weights on a second ratio (TIS, IcePop, CIS); 1 when none
   keep   0/1 rejection (MIS band, sign-agnostic band, DPPO-TV, STAPO)
-The ratios are the rows of Table 1 (harness.batch): trust = π_θ/π_old (row 1), ti = π_old/μ
+The ratios are the rows of Table 1 (harness.base.batch): trust = π_θ/π_old (row 1), ti = π_old/μ
 (row 3, pure engine noise β), folded = π_θ/μ (row 4). Levels: token, sequence (product) and
 geometric (length-normalised mean of log r, as GSPO and Geo-RS).
 
@@ -27,14 +27,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from harness.batch import (
+from harness.base.batch import (
     TokenBatch,
     log_ratio_folded,
     log_ratio_trust_region,
     log_rho,
 )
-from harness.diagnostics import SAFETY, ess
-from harness.registry import check_kwargs, lookup, register
+from harness.base.registry import check_kwargs, lookup, register
+from harness.stats.diagnostics import SAFETY, ess
 
 OBJECTIVES: dict[str, Callable] = {}
 AGGREGATIONS: dict[str, Callable] = {}
@@ -250,8 +250,8 @@ def policy_metrics(
 
     clip/* and mask/* and rescue/* are fractions of response tokens; is/* describe the applied
     detached weight sg(coef · w) over kept tokens (is/ess_seq on per-sequence mean weights).
-    The dials on ρ = π_old/μ are the batch's, not the objective's: harness.diagnostics (the loop
-    logs them as dial/*).
+    The dials on ρ = π_old/μ are the batch's, not the objective's: harness.stats.diagnostics (the
+    loop logs them as dial/*).
     """
     m = batch.mask
     n = m.sum().clamp_min(1.0)

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from harness.batch import TokenBatch, log_ratio_folded, log_rho
-from harness.diagnostics import CONF_EDGES, bin_index
+from harness.base.batch import TokenBatch, log_ratio_folded, log_rho
+from harness.base.registry import register
 from harness.objectives.core import (
     OBJECTIVES,
     PolicyObjective,
@@ -25,7 +25,7 @@ from harness.objectives.core import (
     Term,
     choice,
 )
-from harness.registry import register
+from harness.stats.diagnostics import CONF_EDGES, bin_index
 
 CLIP_BASES = {"ppo_clip": ("token", 0.2, 0.28), "gspo": ("geometric", 3e-4, 4e-4)}
 
@@ -309,7 +309,7 @@ class SNRShrink(PolicyObjective):
     objective records every training token's Δ_live = log π_θ − log μ (α + β, at the update)
     and p_t; every `every` steps the loop runs a calibration pass at the live weights (θ on
     both sides, the deployed sampler with its noise: Δ_cal = β) and `refresh` re-derives λ_b and
-    the three-job bounds [l_b, u_b] (harness.snr.SNRSplit) from Δ_cal and the Δ_live recorded
+    the three-job bounds [l_b, u_b] (harness.stats.snr.SNRSplit) from Δ_cal and the Δ_live recorded
     since the last refresh. Bins without an estimate keep their current values.
     """
 
@@ -351,7 +351,7 @@ class SNRShrink(PolicyObjective):
     def refresh(self, delta_cal: Tensor, conf_cal: Tensor) -> dict[str, float]:
         """Re-derive λ_b, l_b, u_b from a calibration pass (Δ_cal, p_t) and the recorded Δ_live;
         the live record starts afresh. Returns the new values per bin as metrics."""
-        from harness.snr import SNRSplit, shrink_kwargs
+        from harness.stats.snr import SNRSplit, shrink_kwargs
 
         split = SNRSplit(self.edges)
         split.add_cal(delta_cal.double().cpu().numpy(), conf_cal.double().cpu().numpy())

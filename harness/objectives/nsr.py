@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from harness.batch import TokenBatch
+from harness.base.batch import TokenBatch
+from harness.base.registry import register
 from harness.objectives.core import (
     OBJECTIVES,
     PolicyObjective,
@@ -35,7 +36,6 @@ from harness.objectives.core import (
     ppo_clip_loss,
 )
 from harness.objectives.methods import clip_term
-from harness.registry import register
 
 
 def rescue_prob(x: Tensor, sigma: float) -> Tensor:

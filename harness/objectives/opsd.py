@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from harness.batch import masked_mean
+from harness.base.batch import masked_mean
+from harness.base.registry import register
 from harness.objectives.core import OBJECTIVES, Objective, ObjectiveOutput
-from harness.registry import register
-from harness.repetition import copy_token_probs, exit_mass, exit_mass_split
+from harness.stats.repetition import copy_token_probs, exit_mass, exit_mass_split
 from harness.tasks import teacher_prompt
 
 
@@ -179,7 +179,7 @@ def copy_exit_mass(s_logits, t_logits, reports: list[dict]) -> dict[str, float]:
 
 
 class CopyExitMass:
-    """The exit mass of a minibatch, gathered micro-batch by micro-batch (harness.step's
+    """The exit mass of a minibatch, gathered micro-batch by micro-batch (harness.rl.step's
     `PartMetrics`): `collect` keeps the copy tokens' probabilities of rows `rows` (of the
     rollout whose repetition `reports` these are) and every response token's, `reduce` is
     `exit_mass_metrics` and `copy_split_metrics` of them all."""

@@ -6,9 +6,9 @@
 `summary` reads every junit XML under OUT (pytest's `--junitxml`: passed / failed / errors /
 skipped and the failing test ids per file), OUT/bench_gpu.json (median step seconds per
 (model, device, dtype) and the CPU/CUDA ratios), OUT/fp8_fidelity/*.json (real-FP8 vs
-emulated-FP8 β per confidence bin, as harness.fp8_fidelity writes it) and the stage table
+emulated-FP8 β per confidence bin, as harness.stats.fp8_fidelity writes it) and the stage table
 (`name<TAB>rc<TAB>seconds[<TAB>note]` per line, written by the shell script), and writes
-(atomically: harness.io) and prints OUT/summary.json. Standard library only (torch is imported
+(atomically: harness.base.io) and prints OUT/summary.json. Standard library only (torch is imported
 by `env` alone), so the report is written whatever failed before it. Tested in
 tests/test_gpu_check.py.
 """
@@ -24,7 +24,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
-from harness.io import write_text_atomic  # noqa: E402  (standard library only)
+from harness.base.io import write_text_atomic  # noqa: E402  (standard library only)
 
 # the wheels of .whl/ (scripts/gpu/wheels.sh) and what the image ships
 PACKAGES = (
@@ -161,7 +161,8 @@ def bench_summary(path: Path) -> dict:
 
 
 def fp8_summary(folder: Path) -> dict:
-    """Every JSON harness.fp8_fidelity wrote into `folder` (whole when small, else its keys)."""
+    """Every JSON harness.stats.fp8_fidelity wrote into `folder` (whole when small, else its
+    keys)."""
     folder = Path(folder)
     if not folder.is_dir():
         return {"present": False}
@@ -183,7 +184,7 @@ def fp8_summary(folder: Path) -> dict:
     return out
 
 
-FP8_KEYS = {  # harness.fp8_fidelity's per-bin keys → the summary's short names
+FP8_KEYS = {  # harness.stats.fp8_fidelity's per-bin keys → the summary's short names
     "n_tokens": "n",
     "mean_abs_delta_emulated": "abs_d_emulated",
     "mean_abs_delta_scaled_mm": "abs_d_real",
@@ -201,7 +202,7 @@ def _short(d: dict) -> dict:
 
 
 def compact_fp8(d: dict) -> dict:
-    """harness.fp8_fidelity's result, per confidence bin: token count, mean |Δ log π| of the
+    """harness.stats.fp8_fidelity's result, per confidence bin: token count, mean |Δ log π| of the
     emulated and the real FP8 path against the clean model, real / emulated, |real − emulated|
     (the whole file comes back beside the summary)."""
     meta = ("model", "n_layers", "dtype", "device", "recipe", "torch", "wall_s")

@@ -12,11 +12,11 @@ PY=${PY:-python3}
 # name==version  (why: see scripts/gpu/README.md)
 WHEELS=(
   hydra-core==1.3.8              # harness.train / measure / mechanism / config: the CLI
-  omegaconf==2.3.1               # hydra-core's config objects (harness.config, tests)
+  omegaconf==2.3.1               # hydra-core's config objects (harness.runs.config, tests)
   antlr4-python3-runtime==4.9.3  # omegaconf's / hydra's override grammar parser
-  submitit==1.5.4                # harness.launch (Slurm jobs) and the launcher below
+  submitit==1.5.4                # harness.runs.launch (Slurm jobs) and the launcher below
   hydra-submitit-launcher==1.2.0 # hydra/launcher=slurm (its submitit_slurm), tests/test_configs
-  gguf==0.19.0                   # harness.models.convert_smollm2 (GGUF -> safetensors)
+  gguf==0.19.0                   # harness.base.models.convert_smollm2 (GGUF -> safetensors)
 )
 
 rm -rf .whl && mkdir -p .whl

@@ -2,7 +2,7 @@
 the metric lines, resume, roll-back after a non-finite step, and the config contract (a rerun in
 a run directory must use that run's config, or say `resume=override`).
 
-One process writes `checkpoints/step_N.pt`; a sharded trainer (harness.distributed) writes the
+One process writes `checkpoints/step_N.pt`; a sharded trainer (harness.base.distributed) writes the
 folder `checkpoints/step_N/`: model and optimizer through torch.distributed.checkpoint (each rank
 its shards), `state.pt` (step, objective, weight history, guard, rank 0's RNG) and `rng_R.pt`
 per rank, into a hidden temp folder that rank 0 renames after every rank has written."""
@@ -21,12 +21,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import distributed
-from harness.diagnostics import collapse_guard
-from harness.io import RefusedRerun, write_text_atomic
+from harness.base import distributed
+from harness.base.io import RefusedRerun, write_text_atomic
+from harness.stats.diagnostics import collapse_guard
 
 if TYPE_CHECKING:
-    from harness.setup import Setup
+    from harness.rl.setup import Setup
 
 
 def checkpoints(run: Path) -> list[Path]:
@@ -297,14 +297,14 @@ def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
 
 def effective(flat: dict[str, Any]) -> dict[str, Any]:
     """A flattened config with what it leaves to defaults spelled out: the schema's defaults
-    (harness.config: a field added after a run started is the value that run used) and, for the
+    (harness.runs.config: a field added after a run started is the value that run used) and, for the
     swept-axis nodes, their builders' keyword defaults (a group file that stops restating a
     default changes nothing). Only defaults that are plain values are filled in."""
     import inspect
 
-    from harness.config import schema
     from harness.noise import NOISE
     from harness.objectives import OBJECTIVES
+    from harness.runs.config import schema
     from harness.tasks import TASKS
 
     out = {**flatten(OmegaConf.to_container(schema(), resolve=False)), **flat}

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from harness.models import decoder_layers
+from harness.base.models import decoder_layers
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def load_full_state(model: nn.Module, state: dict[str, Tensor]) -> None:
 
 
 class FullView:
-    """`model` as harness.alpha.WeightHistory reads it: `state_dict()` gives full tensors."""
+    """`model` as harness.rl.alpha.WeightHistory reads it: `state_dict()` gives full tensors."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -249,17 +249,6 @@ def gather_scores(
         buf[local, : v.shape[1]] = v
         full[k] = gather_rows(buf, width)[rows]
     return full
-
-
-def sum_outputs(res):
-    """Σ over the ranks of each rank's share of a loss and its metrics (an ObjectiveOutput;
-    None from a rank without rows in the minibatch)."""
-    from harness.objectives.core import ObjectiveOutput
-
-    parts = [p for p in gather_objects(None if res is None else to_cpu(res)) if p is not None]
-    loss = sum(p.loss for p in parts)
-    keys = parts[0].metrics.keys()
-    return ObjectiveOutput(loss, {k: sum(p.metrics[k] for p in parts) for k in keys})
 
 
 def to_cpu(x: Any) -> Any:

@@ -18,7 +18,7 @@ scores `batches` rollout batches and reports, on r = π_old/μ:
 The band is the objective's `lo`/`hi` when it has them, else [0.5, 2]; ε the objective's
 `eps_low`/`eps_high`, else 0.2/0.28.
 
-    python -m harness.mechanism experiment=collapse_reject_vs_clamp [mechanism_batches=4]
+    python -m harness.rl.mechanism experiment=collapse_reject_vs_clamp [mechanism_batches=4]
 
 writes `mechanism.json` into the run's directory (the one `harness.train` would use) and prints it.
 """
@@ -36,13 +36,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from harness import config as _config  # noqa: F401  (registers train_schema)
-from harness import distributed
-from harness.diagnostics import BAND, FORK_P, fork_oob_share, out_of_band, out_of_band_frac
-from harness.distributed import ONE, Ranks
-from harness.io import write_json_atomic, write_text_atomic
-from harness.setup import build_setup, rollout_sampling, step_seed, validate
-from harness.step import collect, gather_batch, share_rows
+from harness.base import distributed
+from harness.base.distributed import ONE, Ranks
+from harness.base.io import write_json_atomic, write_text_atomic
+from harness.rl.setup import build_setup, rollout_sampling, step_seed
+from harness.rl.step import collect, gather_batch, share_rows
+from harness.runs import config as _config  # noqa: F401  (registers train_schema)
+from harness.runs.validate import validate
+from harness.stats.diagnostics import BAND, FORK_P, fork_oob_share, out_of_band, out_of_band_frac
 
 EPS = (0.2, 0.28)
 
@@ -97,7 +98,7 @@ def band_and_eps(objective: DictConfig) -> tuple[tuple[float, float], tuple[floa
 
 @torch.no_grad()
 def run(cfg: DictConfig, validated: bool = False, ranks: Ranks = ONE) -> dict[str, Any]:
-    """Build the run's setup (harness.setup), score `cfg.mechanism_batches` rollout batches at
+    """Build the run's setup (harness.rl.setup), score `cfg.mechanism_batches` rollout batches at
     θ = θ_old and return the token-weighted check plus the sampler's reward. harness.train
     calls it before step 1 of every run (its mechanism.json). Across ranks every rank calls it
     (the trainer is sharded: its forwards are collectives): each samples and scores its share
@@ -144,9 +145,9 @@ def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, flo
     accuracy on these problems (the teacher with the reference solution in its prompt, the
     student without; T = the rollout's) and the mean per-token log-prob each gives the reference
     solution + EOS, teacher-forced."""
-    from harness.engines import Engine
+    from harness.sampling.engines import Engine
     from harness.tasks import teacher_prompt
-    from harness.warmstart import sft_batch, sft_loss
+    from harness.tasks.warmstart import sft_batch, sft_loss
 
     privileged = [
         replace(p, prompt=teacher_prompt(p, cfg.distill.teacher_prompt)) for p in problems
@@ -165,7 +166,7 @@ def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, flo
     return out
 
 
-CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
+CONFIGS = str(Path(__file__).resolve().parents[2] / "experiments")
 
 
 @hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")

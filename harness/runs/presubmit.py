@@ -1,7 +1,7 @@
 """A sweep is checked on the driver before anything is submitted: every point of the sweep is
 composed as its job will be and run through the checks a training run makes before it builds a
-model (`harness.setup.validate`: every key, value and swept node, and the dataset itself, which
-`task=hf` reads in seconds). A bad value in one point then fails the sweep in seconds on the
+model (`harness.runs.validate.validate`: every key, value and swept node, and the dataset itself,
+which `task=hf` reads in seconds). A bad value in one point then fails the sweep in seconds on the
 login node, naming the point, instead of queueing an array of GPU jobs that each fail.
 
 Installed as a Hydra callback by hydra/launcher=slurm (and slurm_gpu): `on_multirun_start`
@@ -17,8 +17,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from harness.registry import build
-from harness.setup import task_spec, validate
+from harness.base.registry import build
+from harness.runs.validate import task_spec, validate
 from harness.tasks import TASKS
 
 

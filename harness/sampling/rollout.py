@@ -1,5 +1,5 @@
-"""What both sampler engines (harness.engines.Engine, harness.ct2.Ct2Engine) hand the trainer: the
-`Rollout`, and the prompt, request and weight-sync helpers they share."""
+"""What both sampler engines (harness.sampling.engines.Engine, harness.sampling.ct2.Ct2Engine) hand
+the trainer: the `Rollout`, and the prompt, request and weight-sync helpers they share."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The base policy should be partly competent (10–60% eval accuracy when sampled at T = 1) with a
 minority of uncertain "fork" tokens, so that GRPO has signal and noise has forks to hit.
 
-The default recipes ship with the project: `harness/task_models/<recipe hash>/` holds
+The default recipes ship with the project: `harness/tasks/task_models/<recipe hash>/` holds
 the fp16 weights, and `manifest.json` their weights checksum (`weights_sha`) and base
 evaluation. Those files are the canonical models that results cite: the same recipe trained on
 another CPU can differ in its last bits (kernels differ), so a recipe hash alone does not pin a
@@ -11,11 +11,11 @@ model. Loading a shipped recipe verifies its checksum and never trains. Any othe
 `rebuild=True`) is trained into `$RATIOLAB_CACHE/task-models/<hash>/` (a standard HF folder,
 written to a temp dir and renamed), reproducible by seed on one machine.
 
-    python -m harness.warmstart task=arithmetic             # load (or build) and evaluate
-    python -m harness.warmstart task=arithmetic rebuild=true  # train from the recipe; bit-equal?
-    python -m harness.warmstart task=countdown steps=600    # any recipe field can be overridden
-    python -m harness.warmstart +task.digits=3              # and any task kwarg (task group keys)
-    python -m harness.warmstart task=arithmetic ship=arithmetic   # maintainers: re-ship
+    python -m harness.tasks.warmstart task=arithmetic               # load (or build), evaluate
+    python -m harness.tasks.warmstart task=arithmetic rebuild=true  # from the recipe; bit-equal?
+    python -m harness.tasks.warmstart task=countdown steps=600      # override any recipe field
+    python -m harness.tasks.warmstart +task.digits=3                # and any task kwarg
+    python -m harness.tasks.warmstart task=arithmetic ship=arithmetic   # maintainers: re-ship
     model, tok = load_task_model("arithmetic")               # from code
 """
 
@@ -38,10 +38,10 @@ from torch.nn import functional as F
 from tqdm.auto import trange
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from harness.engines import Engine
-from harness.io import make_temp_dir, write_json_atomic
-from harness.models import cache_dir, char_tokenizer, weights_sha
-from harness.registry import build
+from harness.base.io import make_temp_dir, write_json_atomic
+from harness.base.models import cache_dir, char_tokenizer, weights_sha
+from harness.base.registry import build
+from harness.sampling.engines import Engine
 from harness.tasks import TASKS, Problem, Task, teacher_prompt
 
 SHIPPED = Path(__file__).parent / "task_models"  # the canonical task models
@@ -269,7 +269,7 @@ def load_task_model(
     task: str, progress: bool = True, rebuild: bool = False, **overrides
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """The task model for `task` (recipe defaults + overrides). A recipe that ships with the
-    project loads its shipped weights (harness/task_models/<recipe hash>/, checked against the
+    project loads its shipped weights (harness/tasks/task_models/<recipe hash>/, checked against the
     manifest's checksum); any other recipe, or `rebuild=True`, is trained from the recipe into
     $RATIOLAB_CACHE/task-models/<hash>/ when not cached there."""
     cfg = resolve_recipe(task, **overrides)
@@ -283,7 +283,8 @@ def load_task_model(
         raise RuntimeError(
             f"shipped task model {path} has weights checksum {sha}, but the manifest (and "
             f"every result that cites recipe {h}) names {entry['weights_sha']}: the file is "
-            f"damaged or was replaced; restore it with `git checkout -- harness/task_models/{h}`"
+            "damaged or was replaced; restore it with "
+            f"`git checkout -- harness/tasks/task_models/{h}`"
         )
     return model, PreTrainedTokenizerFast.from_pretrained(path)
 
@@ -314,7 +315,8 @@ def cpu_name() -> str:
 
 def ship_task_model(name: str, task: str, eval_n: int = 512, eval_seed: int = 123, **overrides):
     """Build the recipe (or take it from the cache), round it to fp16, write it to
-    harness/task_models/<hash>/ and record its checksum and base evaluation in the manifest."""
+    harness/tasks/task_models/<hash>/ and record its checksum and base evaluation in the
+    manifest."""
     cfg = resolve_recipe(task, **overrides)
     h = recipe_hash(cfg)
     model, tok = load_task_model(task, rebuild=True, **overrides)
@@ -392,7 +394,7 @@ def main_cli(cfg) -> dict:
     """Find (shipped or cached) or build the task model for cfg.task.name (other cfg.task keys:
     task kwargs) with the non-null recipe overrides, and evaluate it. `rebuild=true` trains from
     the recipe even when the model ships and says whether it reproduced the shipped weights;
-    `ship=<name>` writes the build into harness/task_models/ (maintainers); `out=<file.json>`
+    `ship=<name>` writes the build into harness/tasks/task_models/ (maintainers); `out=<file.json>`
     also writes the report there."""
     from omegaconf import OmegaConf
 
@@ -438,6 +440,6 @@ def main_cli(cfg) -> dict:
 if __name__ == "__main__":
     import hydra
 
-    hydra.main(config_path="../experiments", config_name="warmstart", version_base="1.3")(
+    hydra.main(config_path="../../experiments", config_name="warmstart", version_base="1.3")(
         main_cli
     )()

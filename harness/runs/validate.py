@@ -1,43 +1,164 @@
-"""Building a run: every check that needs no model, then the task, the three policies (π_θ the
-trainer, π_old at the behaviour weights, μ the sampler with its noise β), the teacher (OPSD), the
-objective and the optimizer. harness.train, harness.mechanism, harness.measure and the
-benchmarks build through these functions, so a run, its step-0 mechanism check and a benchmark
-of its step are the same objects.
-"""
+"""Every check a run makes before any compute, in one place: the config's values, the swept
+axes' nodes against their builders (names, kwargs, scalar types), the group-choice names, the
+pre-registration, the model spec and the checks a run across ranks adds. Each error names the
+key, the bad value and what is valid. `harness.train`, `harness.rl.mechanism`, `harness.measure`
+and the Slurm pre-submission check (`harness.runs.presubmit`) call these."""
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import distributed
-from harness.alpha import WeightHistory
-from harness.distributed import ONE, Ranks
-from harness.engines import Engine
-from harness.launch import AGGREGATION_KEYS, check_nodes
-from harness.logprobs import check_sampling
-from harness.models import (
-    BUILTIN_SPECS,
-    DTYPES,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-    set_tf32,
-    upcycle_to_moe,
-)
-from harness.noise import Fp8Trainer, build_noise
-from harness.objectives import build_objective
-from harness.prereg import check_prereg
-from harness.registry import build
-from harness.samplers import ENGINES, check_sampler
-from harness.step import ADVANTAGES, Sampling, adamw
-from harness.tasks import TASKS, Task
-from harness.tracking import LOGGERS
+from harness.base import distributed
+from harness.base.batch import ADVANTAGES
+from harness.base.models import BUILTIN_SPECS, DTYPES, resolve_device
+from harness.base.registry import check_kwargs, lookup
+from harness.runs.prereg import check_prereg
+from harness.runs.tracking import LOGGERS
+from harness.sampling.logprobs import check_sampling
+from harness.sampling.samplers import check_sampler
+
+REPO = Path(__file__).resolve().parents[2]
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "float": (int, float),
+    "int": (int,),
+    "bool": (bool,),
+    "str": (str,),
+    "None": (type(None),),
+}
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    """Scalar annotations only (`float | None`, `int`, ...); anything else is accepted."""
+    if not isinstance(annotation, str):
+        annotation = getattr(annotation, "__name__", "")
+    allowed: tuple[type, ...] = ()
+    for part in (p.strip() for p in annotation.split("|")):
+        if part not in _TYPES:
+            return True
+        allowed += _TYPES[part]
+    if isinstance(value, bool) and bool not in allowed:
+        return False  # bool is an int subclass: `sigma: true` is a typo, not 1.0
+    return isinstance(value, allowed)
+
+
+def _check_node(table: dict[str, Callable], node: Any, what: str) -> None:
+    d = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    if "name" not in d:
+        raise ValueError(f"{what} node {d} needs a `name` (the registry key)")
+    name = d.pop("name")
+    if what == "noise" and name == "none":
+        return
+    fn = lookup(table, name, what)
+    missing = [k for k, v in d.items() if v == "???"]
+    if missing:
+        raise ValueError(
+            f"{what}.{missing[0]} must be set: {what} {name!r} has no default for it "
+            f"(e.g. {what}.{missing[0]}=<value> on the command line)"
+        )
+    check_kwargs(fn, d, f"{what} {name!r}")
+    params = inspect.signature(fn).parameters
+    bad = {k: v for k, v in d.items() if k in params and not _type_ok(v, params[k].annotation)}
+    if bad:
+        expected = {k: str(params[k].annotation) for k in bad}
+        raise TypeError(f"{what} {name!r}: wrong type for {bad}; expected {expected}")
+
+
+def check_nodes(cfg: DictConfig) -> None:
+    """Check the swept-axis nodes present in `cfg` (task, noise, extra_noise,
+    objective, aggregation) against their registries and builders' signatures: unknown names,
+    unknown keyword arguments and wrong scalar types raise here, before any model is loaded;
+    each axis's name is its group file's (`check_group_names`)."""
+    check_group_names(cfg)
+    if "task" in cfg:
+        from harness.tasks import TASKS
+
+        _check_node(TASKS, cfg.task, "task")
+    noise = [cfg.get("noise"), *(cfg.get("extra_noise") or [])]
+    if any(n is not None for n in noise):
+        from harness.noise import NOISE
+
+        for node in noise:
+            if node is not None:
+                _check_node(NOISE, node, "noise")
+    if "objective" in cfg or "aggregation" in cfg:
+        from harness.objectives import OBJECTIVES
+
+        if "objective" in cfg:
+            _check_node(OBJECTIVES, cfg.objective, "objective")
+        if "aggregation" in cfg:
+            check_aggregation(cfg.aggregation)
+
+
+GROUP_NODES = ("task", "noise", "objective", "aggregation")  # node {name, **kwargs} = group file
+
+CONFIGS = REPO / "experiments"
+
+
+def group_option_name(group: str, option: str) -> str | None:
+    """The `name` that option `option` of config group `group` sets: its file under
+    experiments/, else the node harness code stored in Hydra's ConfigStore (harness.measure's
+    fp8_block_w8a8); None for an option found in neither."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.plugins.config_source import ConfigLoadError
+
+    path = CONFIGS / group / f"{option}.yaml"
+    if path.exists():
+        return OmegaConf.load(path).get("name")
+    try:
+        return ConfigStore.instance().load(f"{group}/{option}.yaml").node.get("name")
+    except ConfigLoadError:
+        return None
+
+
+def check_group_names(cfg: DictConfig) -> None:
+    """Each swept axis's name is the one its chosen group file sets. Hydra merges `noise.name=X`
+    into the node of the file chosen (noise=none), so the run would get that file's keys, not
+    X's file's (logit.yaml's `seed: ${seed}`: without it every run draws the noise field of the
+    builder's seed 0, whatever its own seed). The group choice is read from the running Hydra
+    job; a config composed outside one (a test's `compose`, a library call) records no choice
+    and is not checked."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    choices = HydraConfig.get().runtime.choices
+    for group in GROUP_NODES:
+        option, node = choices.get(group), cfg.get(group)
+        if option is None or not isinstance(node, DictConfig) or "name" not in node:
+            continue
+        expected = group_option_name(group, option)
+        if expected is not None and node.name != expected:
+            raise ValueError(
+                f"{group}.name={node.name!r} with {group}={option}: the name alone keeps "
+                f"{option}'s keys and drops those of the {group} file for {node.name!r}; "
+                f"use {group}={node.name} (the group choice) instead"
+            )
+
+
+AGGREGATION_KEYS = ("rejected_in_denominator", "norm_len")
+
+
+def check_aggregation(node) -> None:
+    """The aggregation node: a registered name and only the keys the objectives take from it."""
+    from harness.objectives import AGGREGATIONS
+
+    d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    if not isinstance(d, dict) or "name" not in d:
+        raise ValueError(f"aggregation must be a node {{name: ...}}, got {d!r}")
+    fn = lookup(AGGREGATIONS, d["name"], "aggregation")
+    bad = sorted(set(d) - {"name", *AGGREGATION_KEYS})
+    if bad:
+        raise TypeError(
+            f"aggregation {d['name']!r}: unknown key(s) {bad}; valid: {list(AGGREGATION_KEYS)}"
+        )
+    if d.get("norm_len") is not None:
+        check_kwargs(fn, {"norm_len": d["norm_len"]}, f"aggregation {d['name']!r}")
 
 
 def noise_nodes(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -58,7 +179,7 @@ def split_node(node: Any) -> tuple[str, dict[str, Any]]:
 def task_spec(cfg: DictConfig) -> tuple[str, dict[str, Any], dict | None]:
     """The task's registry name and kwargs (with model=task-model, the warm-start recipe's task
     kwargs under the node's) and the recipe (None for other models)."""
-    from harness.warmstart import resolve_recipe
+    from harness.tasks.warmstart import resolve_recipe
 
     task_name, task_kw = split_node(cfg.task)
     if cfg.model.spec != "task-model":
@@ -67,44 +188,11 @@ def task_spec(cfg: DictConfig) -> tuple[str, dict[str, Any], dict | None]:
     return task_name, {**recipe["task_kwargs"], **task_kw}, recipe
 
 
-def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, dict]:
-    """The task, the trainer's model (trainer dtype; fp32 master weights when it will be sharded,
-    FSDP's mixed precision computing in the trainer dtype), its tokenizer and its identity (spec,
-    weights checksum, recipe hash for task models: recorded in meta.json)."""
-    from harness.warmstart import load_task_model, model_identity
-
-    task_name, task_kw, recipe = task_spec(cfg)
-    task = build(TASKS, task_name, "task", **task_kw)  # a bad dataset fails before a model loads
-    if recipe is not None:
-        warm = OmegaConf.to_container(cfg.model.warmstart, resolve=True)
-        model, tok = load_task_model(task_name, progress=cfg.progress, **warm)
-    else:
-        model, tok = load_model(cfg.model.spec, dtype="fp32", seed=cfg.seed)
-    task.attach_tokenizer(tok)
-    if cfg.model.upcycle:
-        model = upcycle_to_moe(model, **OmegaConf.to_container(cfg.model.upcycle, resolve=True))
-    # weights are built (and warm-started) on the CPU, then placed: every copy (sampler, π_old,
-    # teacher) is a deepcopy of this model, so all three policies share its device
-    dtype = "fp32" if fsdp(cfg) else cfg.engine.trainer_dtype
-    model = model.to(resolve_device(cfg.engine.device), resolve_dtype(dtype))
-    return task, model, tok, model_identity(model, cfg.model.spec, recipe)
-
-
 def fsdp(cfg: DictConfig) -> bool:
     """Whether the trainer is sharded: engine.fsdp, else (null) when the world has > 1 rank."""
     if cfg.engine.fsdp is not None:
         return bool(cfg.engine.fsdp)
     return distributed.environment().world > 1
-
-
-def build_sampler(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
-    """The sampler holds its own copy of the weights: engine, dtype, attention path and noise
-    are μ's (engine.sampler: harness.samplers.ENGINES)."""
-    smp = copy.deepcopy(model).to(resolve_dtype(cfg.engine.sampler_dtype))
-    smp.config._attn_implementation = cfg.engine.sampler_attention
-    noise = [build_noise(name, **kw) for name, kw in map(split_node, noise_nodes(cfg))]
-    log_dir = Path(cfg.out) if cfg.get("out") else None
-    return ENGINES[cfg.engine.sampler](smp, tok, noise, cfg.engine, log_dir)
 
 
 ATTENTIONS = ("sdpa", "eager")
@@ -181,7 +269,7 @@ def validate(cfg: DictConfig) -> None:
     check_prereg(OmegaConf.to_container(cfg.prereg, resolve=True))  # the preset's endpoints
     spec = cfg.model.spec
     if spec == "task-model":
-        from harness.warmstart import RECIPES, resolve_recipe
+        from harness.tasks.warmstart import RECIPES, resolve_recipe
 
         if cfg.task.name not in RECIPES:
             raise ValueError(task_model_mismatch(cfg.task, tuple(RECIPES)))
@@ -191,7 +279,7 @@ def validate(cfg: DictConfig) -> None:
                   "or a Hugging Face hub id (org/name)")  # fmt: skip
     elif Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
         raise bad("model.spec", spec, "a Hugging Face model folder (it has no config.json; "
-                  "`python -m harness.models export <spec> <folder>` writes one)")  # fmt: skip
+                  "`python -m harness.base.models export <spec> <folder>` writes one)")  # fmt: skip
     obj = cfg.objective.name
     misplaced = sorted({"aggregation", *AGGREGATION_KEYS} & set(cfg.objective))
     if misplaced:
@@ -268,121 +356,3 @@ def validate_ranks(cfg: DictConfig, world: int) -> None:
     for key, value, bad, valid in unsupported:
         if bad:
             raise ValueError(f"{key}={value!r} with {world} ranks; valid: {valid}")
-
-
-@dataclass
-class Setup:
-    """What `run` builds: the task, the three policies and the optimizer state."""
-
-    task: Task
-    harder_task: Task | None  # drivers.harder: the training task from drivers.harder_at on
-    tok: Any
-    policy: Engine  # π_θ: the trainer
-    old_policy: Engine | None  # π_old at the behaviour weights; None: the training pass is π_old
-    sampler: Engine  # μ
-    teacher: torch.nn.Module | None
-    objective: Any
-    opt: Any  # torch.optim.AdamW, or harness.step.MasterAdamW for a bf16/fp16 trainer
-    history: WeightHistory
-    identity: dict
-    # (noise model, its configured σ): drivers.beta_growth scales σ from these each step
-    sigma0: list[tuple[Any, float]]
-    ranks: Ranks = ONE  # this process's rank and the world size (harness.distributed)
-
-    @property
-    def trainer(self) -> Any:
-        """What the weight history copies: the trainer's model, its full weights when sharded."""
-        m = self.policy.model
-        return distributed.FullView(m) if self.policy.sharded else m
-
-
-def build_policy(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
-    """A trainer-side policy (π_θ, π_old, the measurement job's reference) on `model`: R3 replays
-    μ's routes (engine.routing_replay); engine.trainer_fp8 runs the sampler's FP8 recipe with a
-    straight-through gradient."""
-    noise = [build_noise("replay")] if cfg.engine.routing_replay else []
-    if cfg.engine.trainer_fp8:
-        name, kw = split_node(cfg.noise)
-        noise.append(Fp8Trainer(build_noise(name, **kw)))
-    return Engine(
-        model, tok, noise=noise, micro_batch_tokens=cfg.engine.micro_batch_tokens,
-        activation_checkpointing=cfg.engine.activation_checkpointing,
-    )  # fmt: skip
-
-
-def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine, Any, Any, Any]:
-    """(π_θ on `model`, π_old, μ, the OPSD teacher). π_old is its own copy loaded with the
-    behaviour weights under staleness, None when the training pass serves as π_old (staleness 0,
-    one minibatch, `reuse_old_logp`), else π_θ itself; the teacher (distill.enabled) is a frozen
-    copy, None otherwise. Every copy is taken before any noise or replay hook is attached
-    (deepcopy copies hooks)."""
-    sampler = build_sampler(cfg, model, tok)
-    dtype = resolve_dtype(cfg.engine.trainer_dtype)  # the copies compute as the trainer does
-    old_model = (
-        copy.deepcopy(model).to(dtype).requires_grad_(False) if cfg.alpha.staleness > 0 else None
-    )
-    teacher = (
-        copy.deepcopy(model).to(dtype).eval().requires_grad_(False) if cfg.distill.enabled else None
-    )
-    if fsdp(cfg):  # after the copies: each rank keeps its own full sampler, π_old and teacher
-        model = distributed.shard(model, cfg.model.spec, dtype)
-    policy = build_policy(cfg, model, tok)
-    if old_model is not None:
-        old_policy = build_policy(cfg, old_model, tok)
-    elif cfg.alpha.minibatches == 1 and cfg.reuse_old_logp and not cfg.distill.enabled:
-        old_policy = None
-    else:
-        old_policy = policy
-    return policy, old_policy, sampler, teacher
-
-
-def build_train_objective(cfg: DictConfig) -> Any:
-    """The objective node's loss with the aggregation node's name and denominator convention
-    (opsd_fkl, a distillation loss, takes none)."""
-    name, kw = split_node(cfg.objective)
-    if name != "opsd_fkl":
-        agg_name, agg_kw = split_node(cfg.aggregation)
-        kw.update(aggregation=agg_name, **agg_kw)
-    return build_objective(name, **kw)
-
-
-def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
-    set_tf32(cfg.engine.tf32)  # process-wide; the run's one setting
-    task, model, tok, identity = build_task_and_model(cfg)
-    policy, old_policy, sampler, teacher = build_engines(cfg, model, tok)
-    model = policy.model
-    opt = adamw(  # fp32 master weights when the trainer is bf16/fp16
-        model,
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        weight_decay=cfg.optim.weight_decay,
-    )
-    history = WeightHistory(cfg.alpha.staleness)
-    harder = None
-    if cfg.drivers.harder_at:
-        task_name, task_kw, _ = task_spec(cfg)
-        kw = {**task_kw, **OmegaConf.to_container(cfg.drivers.harder, resolve=True)}
-        harder = build(TASKS, task_name, "task", **kw)
-    s = Setup(
-        task, harder, tok, policy, old_policy, sampler, teacher,
-        build_train_objective(cfg), opt, history, identity,
-        [(n, n.sigma) for n in sampler.noise if hasattr(n, "sigma")], ranks,
-    )  # fmt: skip
-    history.push(s.trainer)
-    return s
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The seed of step `step`'s prompts and samples in a run seeded `seed` (the mechanism check
-    scores steps 1, 2, ... of the run; the measurement job's passes are steps of their own)."""
-    return seed * 1_000_003 + step
-
-
-def token_budget(cfg: DictConfig, task: Task) -> int:
-    """rollout.max_new_tokens, else (null, the default) the task's own budget."""
-    return cfg.rollout.max_new_tokens or task.max_new_tokens
-
-
-def rollout_sampling(cfg: DictConfig, task: Task) -> Sampling:
-    r = cfg.rollout
-    return Sampling(r.group_size, token_budget(cfg, task), r.temperature, r.top_p, r.top_k)

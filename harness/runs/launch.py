@@ -26,7 +26,6 @@ import atexit
 import contextlib
 import datetime
 import importlib.metadata
-import inspect
 import json
 import os
 import shutil
@@ -41,10 +40,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from harness.io import RefusedRerun, write_json_atomic, write_text_atomic
-from harness.registry import check_kwargs, lookup
+from harness.base.io import RefusedRerun, write_json_atomic, write_text_atomic
+from harness.runs.validate import check_nodes
 
 T = TypeVar("T")
 PACKAGES = (
@@ -62,7 +61,7 @@ SLURM_ENV = {
     "restart_count": "SLURM_RESTART_COUNT",
     "node": "SLURMD_NODENAME",
 }
-__all__ = ["run_task", "check_nodes", "update_meta", "SlurmGuard"]
+__all__ = ["run_task", "update_meta", "SlurmGuard"]
 
 
 def _now() -> str:
@@ -72,7 +71,7 @@ def _now() -> str:
 # --- run record --------------------------------------------------------------------------------
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def git_state(repo: Path = REPO) -> dict[str, Any]:
@@ -129,141 +128,6 @@ def read_json(path: Path) -> dict[str, Any]:
 
 # --- config checks -----------------------------------------------------------------------------
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "float": (int, float),
-    "int": (int,),
-    "bool": (bool,),
-    "str": (str,),
-    "None": (type(None),),
-}
-
-
-def _type_ok(value: Any, annotation: Any) -> bool:
-    """Scalar annotations only (`float | None`, `int`, ...); anything else is accepted."""
-    if not isinstance(annotation, str):
-        annotation = getattr(annotation, "__name__", "")
-    allowed: tuple[type, ...] = ()
-    for part in (p.strip() for p in annotation.split("|")):
-        if part not in _TYPES:
-            return True
-        allowed += _TYPES[part]
-    if isinstance(value, bool) and bool not in allowed:
-        return False  # bool is an int subclass: `sigma: true` is a typo, not 1.0
-    return isinstance(value, allowed)
-
-
-def _check_node(table: dict[str, Callable], node: Any, what: str) -> None:
-    d = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
-    if "name" not in d:
-        raise ValueError(f"{what} node {d} needs a `name` (the registry key)")
-    name = d.pop("name")
-    if what == "noise" and name == "none":
-        return
-    fn = lookup(table, name, what)
-    missing = [k for k, v in d.items() if v == "???"]
-    if missing:
-        raise ValueError(
-            f"{what}.{missing[0]} must be set: {what} {name!r} has no default for it "
-            f"(e.g. {what}.{missing[0]}=<value> on the command line)"
-        )
-    check_kwargs(fn, d, f"{what} {name!r}")
-    params = inspect.signature(fn).parameters
-    bad = {k: v for k, v in d.items() if k in params and not _type_ok(v, params[k].annotation)}
-    if bad:
-        expected = {k: str(params[k].annotation) for k in bad}
-        raise TypeError(f"{what} {name!r}: wrong type for {bad}; expected {expected}")
-
-
-def check_nodes(cfg: DictConfig) -> None:
-    """Check the swept-axis nodes present in `cfg` (task, noise, extra_noise,
-    objective, aggregation) against their registries and builders' signatures: unknown names,
-    unknown keyword arguments and wrong scalar types raise here, before any model is loaded;
-    each axis's name is its group file's (`check_group_names`)."""
-    check_group_names(cfg)
-    if "task" in cfg:
-        from harness.tasks import TASKS
-
-        _check_node(TASKS, cfg.task, "task")
-    noise = [cfg.get("noise"), *(cfg.get("extra_noise") or [])]
-    if any(n is not None for n in noise):
-        from harness.noise import NOISE
-
-        for node in noise:
-            if node is not None:
-                _check_node(NOISE, node, "noise")
-    if "objective" in cfg or "aggregation" in cfg:
-        from harness.objectives import OBJECTIVES
-
-        if "objective" in cfg:
-            _check_node(OBJECTIVES, cfg.objective, "objective")
-        if "aggregation" in cfg:
-            check_aggregation(cfg.aggregation)
-
-
-GROUP_NODES = ("task", "noise", "objective", "aggregation")  # node {name, **kwargs} = group file
-CONFIGS = REPO / "experiments"
-
-
-def group_option_name(group: str, option: str) -> str | None:
-    """The `name` that option `option` of config group `group` sets: its file under
-    experiments/, else the node harness code stored in Hydra's ConfigStore (harness.measure's
-    fp8_block_w8a8); None for an option found in neither."""
-    from hydra.core.config_store import ConfigStore
-    from hydra.plugins.config_source import ConfigLoadError
-
-    path = CONFIGS / group / f"{option}.yaml"
-    if path.exists():
-        return OmegaConf.load(path).get("name")
-    try:
-        return ConfigStore.instance().load(f"{group}/{option}.yaml").node.get("name")
-    except ConfigLoadError:
-        return None
-
-
-def check_group_names(cfg: DictConfig) -> None:
-    """Each swept axis's name is the one its chosen group file sets. Hydra merges `noise.name=X`
-    into the node of the file chosen (noise=none), so the run would get that file's keys, not
-    X's file's (logit.yaml's `seed: ${seed}`: without it every run draws the noise field of the
-    builder's seed 0, whatever its own seed). The group choice is read from the running Hydra
-    job; a config composed outside one (a test's `compose`, a library call) records no choice
-    and is not checked."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return
-    choices = HydraConfig.get().runtime.choices
-    for group in GROUP_NODES:
-        option, node = choices.get(group), cfg.get(group)
-        if option is None or not isinstance(node, DictConfig) or "name" not in node:
-            continue
-        expected = group_option_name(group, option)
-        if expected is not None and node.name != expected:
-            raise ValueError(
-                f"{group}.name={node.name!r} with {group}={option}: the name alone keeps "
-                f"{option}'s keys and drops those of the {group} file for {node.name!r}; "
-                f"use {group}={node.name} (the group choice) instead"
-            )
-
-
-AGGREGATION_KEYS = ("rejected_in_denominator", "norm_len")
-
-
-def check_aggregation(node) -> None:
-    """The aggregation node: a registered name and only the keys the objectives take from it."""
-    from harness.objectives import AGGREGATIONS
-
-    d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-    if not isinstance(d, dict) or "name" not in d:
-        raise ValueError(f"aggregation must be a node {{name: ...}}, got {d!r}")
-    fn = lookup(AGGREGATIONS, d["name"], "aggregation")
-    bad = sorted(set(d) - {"name", *AGGREGATION_KEYS})
-    if bad:
-        raise TypeError(
-            f"aggregation {d['name']!r}: unknown key(s) {bad}; valid: {list(AGGREGATION_KEYS)}"
-        )
-    if d.get("norm_len") is not None:
-        check_kwargs(fn, {"norm_len": d["norm_len"]}, f"aggregation {d['name']!r}")
-
 
 # --- the task wrapper --------------------------------------------------------------------------
 
@@ -302,7 +166,7 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     run.mkdir(parents=True, exist_ok=True)
     if "out" in cfg:
         cfg.out = str(run)
-    from harness.distributed import environment
+    from harness.base.distributed import environment
 
     if environment().rank != 0:  # rank 0 keeps the run's record
         adopt_hydra_record(run, keep=False)

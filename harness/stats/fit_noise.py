@@ -1,7 +1,7 @@
 """Fit injected logit noise to a measured real-engine β, and check the fit.
 
-    python -m harness.fit_noise fit RUN [--name NAME]      # RUN: a harness.measure folder
-    python -m harness.fit_noise check RUN FITTED_RUN         # per-bin fit quality
+    python -m harness.stats.fit_noise fit RUN [--name NAME]      # RUN: a harness.measure folder
+    python -m harness.stats.fit_noise check RUN FITTED_RUN         # per-bin fit quality
 
 `fit` reads the calibration pass of RUN (per_bin.csv: per confidence bin the measured mean |Δ| and
 the trainer's gate E√(1 − 2p_t + ‖p‖²)) and fits Gaussian logit noise z ← z + σε to it. To first
@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from harness.io import write_text_atomic
+from harness.base.io import write_text_atomic
 
-NOISE_DIR = Path(__file__).resolve().parents[1] / "experiments" / "noise"
+NOISE_DIR = Path(__file__).resolve().parents[2] / "experiments" / "noise"
 QUANTILES = ("abs_delta_p50", "abs_delta_p90", "abs_delta_p99")
 
 
@@ -61,7 +61,8 @@ def write_config(name: str, sigma: float, run: Path, table: pd.DataFrame) -> Pat
         for r in table.itertuples()
     )
     text = (
-        f"# noise={name}: Gaussian logit noise fitted (harness.fit_noise) to the β measured in\n"
+        f"# noise={name}: Gaussian logit noise fitted (harness.stats.fit_noise) to the β "
+        "measured in\n"
         f"#   {run} ({summary.get('label', '?')}; model {summary.get('model', '?')}, weights\n"
         f"#   {summary.get('weights_sha', '?')}). Per-bin mean |Δ| of the calibration pass:\n"
         f"{rows}\n"

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from harness.diagnostics import BAND, CAP, CONF_EDGES, MATCH_TOL, bin_index, ess_from_sums
+from harness.stats.diagnostics import BAND, CAP, CONF_EDGES, MATCH_TOL, bin_index, ess_from_sums
 
 TABLE6_COLUMNS = [
     "bin_lo",
@@ -415,7 +415,7 @@ class DeltaStats:
         }
 
     def dials(self) -> dict[str, float]:
-        """Table 7: the dials of harness.diagnostics (same names; cap C and band are this
+        """Table 7: the dials of harness.stats.diagnostics (same names; cap C and band are this
         stream's `cap` and `band`), streamed, plus the |Δ| tail and the fork mass share."""
         s, n = self.s, self.s["n"]
         qs = self.quantile([0.95, 0.99], absolute=True)

@@ -1,8 +1,9 @@
 """μ's inference engine (`engine.sampler`): one small table and its check.
 
-hf    this process's transformers model (harness.engines.Engine), β injected by harness.noise
-ct2   CTranslate2 (harness.ct2.Ct2Engine): a second engine whose β is its own kernels
-vllm  vLLM in a worker process (harness.vllm_engine.VllmEngine): the engine users deploy
+hf    this process's transformers model (harness.sampling.engines.Engine), β injected by
+harness.noise ct2   CTranslate2 (harness.sampling.ct2.Ct2Engine): a second engine whose β is its
+own kernels vllm  vLLM in a worker process (harness.sampling.vllm_engine.VllmEngine): the engine
+users deploy
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness.ct2 import Ct2Engine, check_compute_type, require_ct2
-from harness.engines import Engine
-from harness.vllm_engine import VllmEngine, check_vllm
+from harness.sampling.ct2 import Ct2Engine, check_compute_type, require_ct2
+from harness.sampling.engines import Engine
+from harness.sampling.vllm_engine import VllmEngine, check_vllm
 
 
 def _hf(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> Engine:

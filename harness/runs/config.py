@@ -29,13 +29,13 @@ class ModelCfg:
 @dataclass
 class Ct2Cfg:
     # float32: CTranslate2's kernels only (β from kernels); int8_float32 (= int8 on CPU): int8
-    # GEMMs on int8 weights and dynamically quantised activations; int16 (harness.ct2)
+    # GEMMs on int8 weights and dynamically quantised activations; int16 (harness.sampling.ct2)
     compute_type: str = "float32"
 
 
 @dataclass
 class VllmCfg:
-    # vLLM's own Python (its venv; harness.vllm_engine); null: the venv `make vllm` builds
+    # vLLM's own Python (its venv; harness.sampling.vllm_engine); null: the venv `make vllm` builds
     python: str | None = None
     start_timeout_s: float = 600.0  # the worker's start-up (model load), then an error
     # GPU nodes only (a CUDA vLLM): the GPU the worker sees (CUDA_VISIBLE_DEVICES; null: the
@@ -50,7 +50,7 @@ class EngineCfg:
     # μ's inference engine: hf (this process's model) | ct2 (CTranslate2) | vllm (a vLLM worker)
     sampler: str = "hf"
     # where trainer, sampler and teacher run: auto (CUDA when available, else CPU) | cpu | cuda
-    # | cuda:N (harness.models.resolve_device)
+    # | cuda:N (harness.base.models.resolve_device)
     device: str = "auto"
     tf32: bool = False  # TF32 matmuls for fp32 on CUDA; off: the fp32 path is IEEE fp32 there too
     ct2: Ct2Cfg = field(default_factory=Ct2Cfg)
@@ -73,13 +73,13 @@ class EngineCfg:
     # the trainer's passes (π_θ with grad, the π_old recompute, the OPSD teacher) in micro-batches
     # of at most this many tokens: prompt + response tokens of whole sequences, padding not
     # counted; a longer sequence is a micro-batch alone. Gradients accumulate to the one-shot
-    # step's (harness.step). null: each minibatch in one pass
+    # step's (harness.rl.step). null: each minibatch in one pass
     micro_batch_tokens: int | None = None
     # the trainer's gradient pass keeps only each decoder layer's input and recomputes the layer
-    # in backward (harness.engines.checkpoint_layers)
+    # in backward (harness.sampling.engines.checkpoint_layers)
     activation_checkpointing: bool = False
     # shard the trainer with FSDP2 across the ranks of torchrun or a multi-task Slurm job
-    # (harness.distributed): null shards when there is more than one rank; true also with one
+    # (harness.base.distributed): null shards when there is more than one rank; true also with one
     # (a process group of one: the GPU check's FSDP2 run)
     fsdp: bool | None = None
 
@@ -164,7 +164,7 @@ class TrainConfig:
     # the evaluation set (problems and sampling seed) is fixed per task, independent of `seed`,
     # so seed-to-seed variance is the training's, not the eval set's difficulty
     eval_seed: int = 0
-    # rollout batches the step-0 mechanism check scores (harness.mechanism; every run writes
+    # rollout batches the step-0 mechanism check scores (harness.rl.mechanism; every run writes
     # mechanism.json before step 1); 0: no check
     mechanism_batches: int = 2
     # an experiment's pre-registration, written into its preset before it runs (claim, seeds,
@@ -173,7 +173,7 @@ class TrainConfig:
     prereg: dict[str, Any] = field(default_factory=dict)
     # the preset's arms: label -> {dotted config key: value} that selects the arm (the legend and
     # the prereg's treatment/control name them); read by analysis.runs.arm_label, outside the
-    # resume contract (harness.checkpoint.RESUME_FREE)
+    # resume contract (harness.rl.checkpoint.RESUME_FREE)
     arms: dict[str, Any] = field(default_factory=dict)
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -250,7 +250,7 @@ OmegaConf.register_new_resolver("objective_aggregation", objective_aggregation, 
 
 # The swept-axis nodes and the warm-start recipe are open: their keys are the builders' keyword
 # arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked
-# against the builder's signature before any compute (harness.launch.check_nodes).
+# against the builder's signature before any compute (harness.runs.validate.check_nodes).
 OPEN_NODES = (
     "task", "noise", "objective", "aggregation", "model.warmstart", "prereg", "arms",
     "drivers.harder",

@@ -2,11 +2,11 @@
 KV cache and precision disagree with the trainer on.
 
 vLLM runs in a worker process under its own Python (`engine.vllm.python`, default the venv
-`make vllm` builds; harness/vllm_worker.py has the protocol). The worker starts once per run and
-is supervised: a start-up timeout, and a worker that dies or stops answering ends the run with an
-error naming the engine and its log, never a hang. Weight sync writes the trainer's weights to a
-safetensors folder the worker reloads (then re-packs a tied lm_head and drops its prefix cache).
-`logp_mu` is vLLM's own: the sampled token's log-prob under the processed law
+`make vllm` builds; harness/sampling/vllm_worker.py has the protocol). The worker starts once per
+run and is supervised: a start-up timeout, and a worker that dies or stops answering ends the run
+with an error naming the engine and its log, never a hang. Weight sync writes the trainer's weights
+to a safetensors folder the worker reloads (then re-packs a tied lm_head and drops its prefix
+cache). `logp_mu` is vLLM's own: the sampled token's log-prob under the processed law
 (logprobs_mode=processed_logprobs), and with top-k the kept support vLLM reports, so mask replay
 works as with the other engines. Only the sampler: π_θ and π_old stay the HF trainer.
 """
@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from harness.logprobs import check_sampling
-from harness.models import cache_dir
-from harness.rollout import (
+from harness.base.models import cache_dir
+from harness.sampling.logprobs import check_sampling
+from harness.sampling.rollout import (
     Rollout,
     check_request,
     copy_weights,
@@ -81,7 +81,7 @@ class WorkerDied(RuntimeError):
 class VllmEngine:
     """The sampler μ on vLLM (a worker process). `model` (an HF causal LM) holds the weights the
     worker loads; a weight sync copies new weights into it and writes them for the worker (the
-    cost is kept in `sync_s`). Same `generate` contract as `harness.engines.Engine`."""
+    cost is kept in `sync_s`). Same `generate` contract as `harness.sampling.engines.Engine`."""
 
     def __init__(
         self, model, tokenizer, dtype: str = "fp32", python: str | None = None,
@@ -243,5 +243,5 @@ class VllmEngine:
                             sups, self.pad_id, n, temperature, self.device)  # fmt: skip
 
 
-if __name__ == "__main__":  # python -m harness.vllm_engine: the worker's Python by default
+if __name__ == "__main__":  # python -m harness.sampling.vllm_engine: the worker's Python by default
     print(default_python())

@@ -2,8 +2,8 @@
 
 A dial reads x = log(π_a/π_b) of the sampled tokens under a 0/1 `mask` ([B, T] tensors). The
 training loop reads them on the training–inference ratio ρ = π_old/μ (Table 1 row 3, pure β at
-staleness 0), the measurement job on Δ = log π_trainer − log μ, streamed (harness.snr: the same
-names, the same ESS formula). Names (the loop logs them as `dial/<name>`; Table 7's rows):
+staleness 0), the measurement job on Δ = log π_trainer − log μ, streamed (harness.stats.snr: the
+same names, the same ESS formula). Names (the loop logs them as `dial/<name>`; Table 7's rows):
 
   identity check       E[r] = 1 for faithful log-probs (`identity_check`)
   uncapped_mean_ratio  E[r];  capped_mean_ratio  E[min(r, C)]  (C = CAP, verl's TIS threshold)
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from harness.batch import log_rho
+from harness.base.batch import log_rho
 
 # the confidence bins of trainer p_t, [lo, hi), the last closed (DERIVED: the SNR post bins by
 # p_t without giving fixed edges)

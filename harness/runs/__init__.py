@@ -1,0 +1,3 @@
+"""A run as a job: the typed config (`config`), every check made before compute (`validate`), the
+task wrapper and Slurm guard (`launch`), the pre-submission check of a sweep (`presubmit`), the
+pre-registration schema (`prereg`) and the trackers (`tracking`)."""
