@@ -58,23 +58,23 @@ lint: $(STAMP)
 bench: $(STAMP) $(VLLM_STAMP)  ## side-by-side benchmarks; JSON/text in results/bench/ (~105 min on 2 cores)
 	$(PY) -m pip install -q -e '.[dev,ct2,bench]'
 	mkdir -p results/bench
-	$(PY) benchmarks/bench_score.py --rounds 3
-	$(PY) benchmarks/bench_memory.py
-	$(PY) benchmarks/bench_noise.py
-	$(PY) benchmarks/bench_objectives.py
-	$(PY) benchmarks/bench_measure.py | tee results/bench/measure.txt
-	$(PY) benchmarks/bench_step.py --model tiny --pairs 9 --variants loop,noprune,recompute
-	$(PY) benchmarks/bench_step.py --model task-model --pairs 9 --variants loop,noprune,recompute
-	$(PY) benchmarks/bench_step.py --model smollm2-135m --pairs 5 --variants loop
-	$(PY) benchmarks/bench_step.py --model tiny --work eos --pairs 9 --variants loop,noprune
-	$(PY) benchmarks/bench_step.py --model task-model --work eos --task countdown --pairs 9 --variants loop,noprune
-	$(PY) benchmarks/bench_step.py --model task-model --work eos --task arithmetic --pairs 9 --variants loop,noprune
-	$(PY) benchmarks/bench_step.py --model smollm2-135m --work eos --prompts 8 --group 4 --pairs 5 --variants loop,noprune
-	$(PY) benchmarks/bench_sweep.py --steps 60 --rounds 3
-	$(PY) benchmarks/bench_run.py --before 328f94f --steps 300
-	$(PY) benchmarks/bench_flops.py --pairs 5
-	$(PY) benchmarks/bench_ct2.py --rounds 5
-	$(PY) benchmarks/bench_vllm.py --rounds 3
+	$(PY) -m benchmarks.bench_score --rounds 3
+	$(PY) -m benchmarks.bench_memory
+	$(PY) -m benchmarks.bench_noise
+	$(PY) -m benchmarks.bench_objectives
+	$(PY) -m benchmarks.bench_measure | tee results/bench/measure.txt
+	$(PY) -m benchmarks.bench_step --model tiny --pairs 9 --variants loop,noprune,recompute
+	$(PY) -m benchmarks.bench_step --model task-model --pairs 9 --variants loop,noprune,recompute
+	$(PY) -m benchmarks.bench_step --model smollm2-135m --pairs 5 --variants loop
+	$(PY) -m benchmarks.bench_step --model tiny --work eos --pairs 9 --variants loop,noprune
+	$(PY) -m benchmarks.bench_step --model task-model --work eos --task countdown --pairs 9 --variants loop,noprune
+	$(PY) -m benchmarks.bench_step --model task-model --work eos --task arithmetic --pairs 9 --variants loop,noprune
+	$(PY) -m benchmarks.bench_step --model smollm2-135m --work eos --prompts 8 --group 4 --pairs 5 --variants loop,noprune
+	$(PY) -m benchmarks.bench_sweep --steps 60 --rounds 3
+	$(PY) -m benchmarks.bench_run --before 328f94f --steps 300
+	$(PY) -m benchmarks.bench_flops --pairs 5
+	$(PY) -m benchmarks.bench_ct2 --rounds 5
+	$(PY) -m benchmarks.bench_vllm --rounds 3
 
 figures: $(STAMP)  ## every figure and the claims table from the committed CSVs under results/ (< 2 min)
 	$(PY) -m analysis.noise_anatomy results/measure

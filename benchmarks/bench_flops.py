@@ -1,6 +1,6 @@
 """Achieved FLOP/s of a trainer forward+backward on SmolLM2-135M vs this CPU's fp32 matmul peak.
 
-    python benchmarks/bench_flops.py [--threads 1 --pairs 5]
+    python -m benchmarks.bench_flops [--threads 1 --pairs 5]
 
 The trainer pass is the loop's: `Engine.logp(grad=True)` (hidden states + chunked fused log-softmax
 on the response positions) on 32 rows = 8 prompts × 4 samples, ~40 prompt + 32 response tokens,
@@ -15,24 +15,16 @@ Writes results/bench/flops.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.common import INSTRUCTION, command, parse_args, summary, write_json
 from harness.base.models import load_model
 from harness.sampling.engines import Engine
 from harness.tasks.arithmetic import arithmetic
-
-INSTRUCTION = (
-    "You are a careful assistant. Solve the arithmetic problem below, showing the carries digit "
-    "by digit, and finish with the final answer on its own line. Problem: "
-)
 
 
 def matmul_peak(n: int, reps: int) -> float:
@@ -52,8 +44,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--n", type=int, default=2048, help="peak matmul size")
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_args(ap)
 
     model, tok = load_model("smollm2-135m")
     eng = Engine(model, tok)
@@ -88,12 +79,8 @@ def main() -> None:
             f"({executed / times[-1] / 1e9:.1f} GFLOP/s executed) -> {fracs[-1]:.2f}",
             flush=True,
         )
-
-    def s(xs):
-        return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
-
     report = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": command(),
         "threads": a.threads,
         "rows": int(ro.tokens.shape[0]),
         "seq_len": int(ro.tokens.shape[1]),
@@ -102,16 +89,16 @@ def main() -> None:
         "executed_gflop": executed / 1e9,
         "dense_equivalent_gflop": dense / 1e9,
         "flops_by_op": {str(k): v / 1e9 for k, v in fc.get_flop_counts()["Global"].items()},
-        "peak_matmul_gflops": s(peaks),
-        "trainer_fwd_bwd_s": s(times),
-        "achieved_gflops_executed": s([executed / t / 1e9 for t in times]),
-        "fraction_of_peak_executed": s(fracs),
-        "fraction_of_peak_dense_equivalent": s([dense / t / 1e9 / p for t, p in zip(times, peaks)]),
+        "peak_matmul_gflops": summary(peaks),
+        "trainer_fwd_bwd_s": summary(times),
+        "achieved_gflops_executed": summary([executed / t / 1e9 for t in times]),
+        "fraction_of_peak_executed": summary(fracs),
+        "fraction_of_peak_dense_equivalent": summary(
+            [dense / t / 1e9 / p for t, p in zip(times, peaks)]
+        ),
         "loadavg_end": os.getloadavg(),
     }
-    out = Path("results/bench/flops.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json("results/bench/flops.json", report)
     f = report["fraction_of_peak_executed"]
     print(
         f"trainer fwd+bwd: {executed / 1e9:.0f} GFLOP executed ({dense / 1e9:.0f} dense-equiv.), "

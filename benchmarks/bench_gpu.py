@@ -1,8 +1,8 @@
 """GRPO step time, CPU vs CUDA side by side in one run.
 
-    python benchmarks/bench_gpu.py --devices cpu,cuda --dtype fp32,bf16 --steps 3 \\
+    python -m benchmarks.bench_gpu --devices cpu,cuda --dtype fp32,bf16 --steps 3 \\
         --json results/bench/gpu.json
-    python benchmarks/bench_gpu.py --devices cpu --steps 1 --smollm2-layers 2   # CPU smoke
+    python -m benchmarks.bench_gpu --devices cpu --steps 1 --smollm2-layers 2   # CPU smoke
 
 Models: `task-model` (the shipped arithmetic task model, `harness.tasks.warmstart.load_task_model`,
 no training) and `smollm2-shaped` (SmolLM2-135M's architecture from its config: hidden 576,
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -38,24 +37,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import CLIP, LR, RatiolabStep, work_for  # noqa: E402
-
-from harness.base.io import write_text_atomic  # noqa: E402
+from benchmarks.bench_step import RatiolabStep, work_for
+from benchmarks.common import CLIP, LR, command, cpu, load, parse_args, write_json
 
 MODELS = ("task-model", "smollm2-shaped")
-
-
-def load(name: str, smollm2_layers: int):
-    if name == "task-model":
-        from harness.tasks.warmstart import load_task_model
-
-        return load_task_model("arithmetic", progress=False)
-    if name == "smollm2-shaped":
-        from harness.base.models import smollm2_shaped
-
-        return smollm2_shaped(n_layers=smollm2_layers, seed=0)
-    raise ValueError(f"--models: {name!r}; valid: {', '.join(MODELS)}")
 
 
 def sync(dev: torch.device) -> None:
@@ -111,7 +96,7 @@ def versions() -> dict:
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu(),
         "nproc": os.cpu_count(),
         "threads": torch.get_num_threads(),
     }
@@ -140,8 +125,7 @@ def main() -> None:
     ap.add_argument("--smollm2-layers", type=int, default=30, help="fewer for a CPU smoke run")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads")
     ap.add_argument("--json", default="results/bench/gpu.json")
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_args(ap)
     # CUDA first: a run cut short by its timeout then loses a number of the slow (CPU) side
     devices = sorted(
         {torch.device(d) for d in a.devices.split(",") if d}, key=lambda d: d.type != "cuda"
@@ -158,7 +142,7 @@ def main() -> None:
     base_work = work_for("eos", "arithmetic", a.prompts, a.group)
     work = dataclasses.replace(base_work, new_tokens=a.new_tokens, eos=False)
     report = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": command(),
         "work": {
             "task": type(work.task).__name__,
             "prompts": work.prompts,
@@ -175,16 +159,15 @@ def main() -> None:
         "ratio_cpu_over_cuda": {},
     }
     out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for name in models:
-        base, tok = load(name, a.smollm2_layers)
+        base, tok = load(name, layers=a.smollm2_layers, progress=False)
         for dtype in dtypes:
             for dev in devices:
                 print(f"[{name} {dev.type} {dtype}]", flush=True)
                 r = time_steps(base, tok, work, dev, dtype, a.warmup, a.steps)
                 report["results"].append({"model": name, "device": dev.type, "dtype": dtype, **r})
                 report["ratio_cpu_over_cuda"] = ratios(report["results"])
-                write_text_atomic(out, json.dumps(report, indent=2) + "\n")  # cut short: kept
+                write_json(out, report)  # cut short: kept
         del base
     print(f"\n{'model':16} {'dtype':5} {'device':6} {'median s':>9} {'min s':>8} {'max s':>8}")
     for r in report["results"]:

@@ -3,17 +3,17 @@ stream (Table 3 / 7 accumulators, fork histogram, gate, sequence ESS) and throug
 with the ground-truth α/β moments, fed in rollout-sized batches. Goal: ≤ 10 s per 1e7 tokens on
 the 2-core CPU; memory independent of the token count.
 
-    .venv/bin/python benchmarks/bench_measure.py [--tokens 1e7 --batch 1e6]
+    .venv/bin/python -m benchmarks.bench_measure [--tokens 1e7 --batch 1e6]
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
 import time
 
 import numpy as np
 
+from benchmarks.common import max_rss_mb
 from harness.stats.diagnostics import bin_index
 from harness.stats.snr import BinnedMoments, SNRSplit
 
@@ -47,7 +47,7 @@ def main() -> None:
     split.bounds()
     split.cal.anatomy()
     times["tables"] = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = max_rss_mb()
     print(f"{n:.0e} tokens, batches of {B:.0e}")
     print(f"  calibration stream (Δ, p_t, q, gate, seq):   {times['cal']:.2f} s")
     print(f"  live stream + ground-truth α/β moments:      {times['live']:.2f} s")

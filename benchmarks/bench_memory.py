@@ -1,10 +1,10 @@
 """Peak memory of one policy update, over rows × tokens per row, with and without micro-batching
 (engine.micro_batch_tokens) and activation checkpointing (engine.activation_checkpointing).
 
-    python benchmarks/bench_memory.py                  # CPU, SmolLM2-135M, the default grid
-    python benchmarks/bench_memory.py --device cuda --model smollm2-shaped --dtype bf16
-    python benchmarks/bench_memory.py --device cuda --model smollm2-shaped --big   # a GPU's grid
-    python benchmarks/bench_memory.py --table          # the per-model table from the CPU JSON
+    python -m benchmarks.bench_memory                  # CPU, SmolLM2-135M, the default grid
+    python -m benchmarks.bench_memory --device cuda --model smollm2-shaped --dtype bf16
+    python -m benchmarks.bench_memory --device cuda --model smollm2-shaped --big   # a GPU's grid
+    python -m benchmarks.bench_memory --table          # the per-model table from the CPU JSON
 
 One point is one `harness.rl.step.update` — the loop's path at staleness 0 with one minibatch: the
 training pass doubles as π_old, `ppo_clip` (ε 0.2/0.28) with token-mean aggregation, the loop's
@@ -83,8 +83,18 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import (
+    CLIP,
+    EPS_HIGH,
+    EPS_LOW,
+    LR,
+    command,
+    cpu,
+    last_json,
+    load,
+    run_module,
+    write_json,
+)
 
 MODES = {  # name → (micro-batching, activation checkpointing)
     "full": (False, False),
@@ -101,7 +111,6 @@ DEFAULT_GRID = {"rows": "4,16,64", "tokens": "32,64"}
 BIG_GRID = {"rows": "4,16,64,128", "tokens": "64,128,256,512"}
 TARGET_GROWTH = 0.10  # the micro-batched peak may grow ≤ 10% from the fewest to the most rows
 ACTIVATION_BOUND = 1.25  # a point is activation-bound when peak − baseline ≥ 1.25 × gradients
-EPS_LOW, EPS_HIGH, LR, CLIP = 0.2, 0.28, 1e-6, 1.0
 MB = 2**20
 GIB = 2**30
 
@@ -127,18 +136,15 @@ def parse_modes(text: str) -> list[str]:
 # --- one point ---------------------------------------------------------------------------------
 
 
-def load(name: str, layers: int, dtype: str, device: str):
-    """(model on `device` in `dtype`, tokenizer)."""
+def load_as(name: str, layers: int, dtype: str, device: str):
+    """(model `name` (`benchmarks.common.load`) on `device` in `dtype`, tokenizer)."""
     import torch
 
-    from harness.base.models import load_model, resolve_dtype, smollm2_shaped
+    from harness.base.models import resolve_dtype
 
-    if name == "smollm2-shaped":
-        model, tok = smollm2_shaped(n_layers=layers, seed=0)
-    elif name in MODELS:
-        model, tok = load_model(name)
-    else:
+    if name not in MODELS:
         raise SystemExit(f"--model={name!r}; valid: {', '.join(MODELS)}")
+    model, tok = load(name, layers=layers)
     return model.to(device=torch.device(device), dtype=resolve_dtype(dtype)).eval(), tok
 
 
@@ -283,7 +289,7 @@ def child(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
-    model, tok = load(spec["model"], spec["layers"], spec["dtype"], "cpu")
+    model, tok = load_as(spec["model"], spec["layers"], spec["dtype"], "cpu")
     return run_point(
         model, tok, rows=spec["rows"], tokens=spec["tokens"], prompt=spec["prompt"],
         micro_batch_tokens=spec["micro_batch_tokens"], checkpointing=spec["checkpointing"],
@@ -304,18 +310,18 @@ def child_env(threads: int) -> dict:
 
 def run_cpu_point(spec: dict, timeout: float) -> dict:
     """`child(spec)` in a fresh subprocess: its result, or {"error": why}."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     try:
-        p = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=child_env(spec["threads"])
-        )
+        p = run_module(
+            "benchmarks.bench_memory", "--child", json.dumps(spec), timeout=timeout,
+            env=child_env(spec["threads"]),
+        )  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s (--point-timeout)"}
     if p.returncode != 0:
         tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
         why = "killed (out of memory?)" if p.returncode in (-9, 137) else f"rc {p.returncode}"
         return {"error": f"{why}: {tail}"}
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return last_json(p.stdout)
 
 
 # --- analysis ----------------------------------------------------------------------------------
@@ -394,7 +400,7 @@ def report(points: list[dict], args, meta: dict) -> dict:
         "machine": {
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
-            "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
+            "cpu": cpu(), "nproc": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
         },
         "wall_s": meta.get("wall_s"),
@@ -738,8 +744,6 @@ def main() -> None:
     modes = parse_modes(a.modes)
     import torch
 
-    from harness.base.io import write_text_atomic
-
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if a.model == "smollm2-135m":
@@ -750,9 +754,9 @@ def main() -> None:
         except FileNotFoundError as e:
             raise SystemExit(f"--model smollm2-135m: {e} (or use --model smollm2-shaped)") from None
     torch.set_num_threads(a.threads)
-    base, tok = load(a.model, a.layers, "fp32", "cpu")
+    base, tok = load_as(a.model, a.layers, "fp32", "cpu")
     meta = {
-        "command": " ".join(["python", "benchmarks/bench_memory.py", *sys.argv[1:]]),
+        "command": command(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "params": sum(p.numel() for p in base.parameters()),
         "config": {k: getattr(base.config, k, None) for k in (
@@ -790,7 +794,7 @@ def main() -> None:
         print(f"[{len(points)}/{len(specs)}] {s['mode']:>8} {s['rows']:>4} rows × "
               f"{s['tokens']:>4} tokens: {what}; {wall:.0f} s, "
               f"{time.perf_counter() - t_all:.0f} s in all", flush=True)  # fmt: skip
-        write_text_atomic(out, json.dumps(report(points, a, meta), indent=2) + "\n")
+        write_json(out, report(points, a, meta))
 
     def spec_of(s: dict) -> dict:
         micro, ckpt = MODES[s["mode"]]
@@ -829,7 +833,7 @@ def main() -> None:
             done(s, res, time.perf_counter() - t0)
     meta["wall_s"] = time.perf_counter() - t_all
     rep = report(points, a, meta)
-    write_text_atomic(out, json.dumps(rep, indent=2) + "\n")
+    write_json(out, rep)
     print(format_grid(rep))
     print(format_summary(rep))
     print(f"\nwrote {out} ({meta['wall_s'] / 60:.1f} min)")

@@ -6,22 +6,20 @@ Prefill = one forward over [B, S]; decode = one KV-cache step [B, 1] after that 
 Goals: `layer` on every layer ≤ 1.15×, FP8 weight-only ≈ 1.0× after the one-time
 quantisation, routing ≤ 1.10× (on the upcycled MoE, against the clean MoE).
 
-    .venv/bin/python benchmarks/bench_noise.py [--batch 4 --seq 128 --repeats 7 --threads 2]
+    .venv/bin/python -m benchmarks.bench_noise [--batch 4 --seq 128 --repeats 7 --threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
+from benchmarks.common import command, parse_args, ratios, rounds, spread, write_json
 from harness.base.models import load_model, upcycle_to_moe
 from harness.noise import build_noise, forward_context, prefix_hash
 
@@ -52,14 +50,12 @@ def timed_forward(model, x, noise, decode: bool) -> float:
 
 
 def bench(models: dict, x, configs: dict, repeats: int, decode: bool) -> dict[str, list[float]]:
-    """Per-round times of each config; `models[name]` is the model it runs on."""
-    times: dict[str, list[float]] = {k: [] for k in configs}
+    """Per-round times of each config (`rounds`); `models[name]` is the model it runs on."""
     for name in configs:  # warm-up
         timed_forward(models[name], x, None, decode)
-    for _ in range(repeats):
-        for name, make in configs.items():
-            times[name].append(timed_forward(models[name], x, make(), decode))
-    return times
+    return rounds(
+        configs, repeats, lambda name, _: timed_forward(models[name], x, configs[name](), decode)
+    )
 
 
 def report(title: str, times: dict[str, list[float]], base: str, out: dict) -> None:
@@ -67,11 +63,10 @@ def report(title: str, times: dict[str, list[float]], base: str, out: dict) -> N
     print(f"  {'':28s} {'median':>9s}   ratio to {base}: min / median / max")
     rows = {}
     for k, v in times.items():
-        r = sorted(t / b for t, b in zip(v, times[base]))
-        rows[k] = {"median_ms": statistics.median(v) * 1e3, "ratio_min": r[0],
-                   "ratio_median": statistics.median(r), "ratio_max": r[-1]}  # fmt: skip
+        r = spread(ratios(v, times[base]))
+        rows[k] = {"median_ms": statistics.median(v) * 1e3, **{f"ratio_{s}": r[s] for s in r}}
         print(f"  {k:28s} {rows[k]['median_ms']:9.1f} ms   "
-              f"{r[0]:5.2f} / {statistics.median(r):5.2f} / {r[-1]:5.2f}x")  # fmt: skip
+              f"{r['min']:5.2f} / {r['median']:5.2f} / {r['max']:5.2f}x")  # fmt: skip
     out[title] = rows
 
 
@@ -81,8 +76,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_args(ap)
     model, _ = load_model("smollm2-135m")
     x = torch.randint(100, 40000, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
     print(f"SmolLM2-135M fp32, B={a.batch} S={a.seq}, {a.threads} threads, median of {a.repeats}")
@@ -103,7 +97,7 @@ def main() -> None:
         "logit student-t nu=3": lambda: build_noise("logit", sigma=0.1, nu=3.0),
         "layer fresh (not determ.)": lambda: build_noise("layer", sigma=2e-3, deterministic=False),
     }
-    out: dict = {"command": " ".join(["python", *sys.argv])}
+    out: dict = {"command": command()}
     for decode in (False, True):
         times = bench(dict.fromkeys(dense, model), x, dense, a.repeats, decode)
         report(f"dense, {'decode step' if decode else 'prefill'}", times, "clean", out)
@@ -139,10 +133,7 @@ def main() -> None:
     }
     times = bench(dict.fromkeys(routing, moe), x, routing, a.repeats, decode=False)
     report("upcycled SmolLM2 MoE (4 experts, top-2), prefill", times, "clean MoE", out)
-    path = Path("results/bench/noise.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    print(f"\nwrote {write_json('results/bench/noise.json', out)}")
 
 
 if __name__ == "__main__":

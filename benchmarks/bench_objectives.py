@@ -1,6 +1,6 @@
 """Forward + backward time of every objective on a [B, T] batch (target: ≤ 50 ms at 64×512).
 
-    python benchmarks/bench_objectives.py [--batch 64] [--tokens 512] [--vocab 1024] [--reps 30]
+    python -m benchmarks.bench_objectives [--batch 64] [--tokens 512] [--vocab 1024] [--reps 30]
 
 Writes results/bench/objectives.json (min/median/max per objective).
 
@@ -14,14 +14,11 @@ machine may be shared.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.common import command, parse_args, spread, write_json
 from harness.base.batch import TokenBatch
 from harness.objectives import OBJECTIVES, build_objective
 
@@ -54,10 +51,7 @@ def time_ms(fn, reps: int) -> dict[str, dict[str, float]]:
         fn()
         wall.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
-    return {
-        k: {"min": min(x), "median": statistics.median(x), "max": max(x)}
-        for k, x in (("wall_ms", wall), ("cpu_ms", cpu))
-    }
+    return {"wall_ms": spread(wall), "cpu_ms": spread(cpu)}
 
 
 def main() -> None:
@@ -68,8 +62,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/bench/objectives.json")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_args(ap)
     g = torch.Generator().manual_seed(0)
     B, T = args.batch, args.tokens
     logp0, batch = make_batch(B, T, g)
@@ -111,12 +104,8 @@ def main() -> None:
             f"{name:36s} {t['wall_ms']['median']:14.2f} "
             f"{c['min']:8.2f} / {c['median']:6.2f} / {c['max']:6.2f}  {verdict}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", *sys.argv])
-    report = {"command": command, "batch": [B, T], "threads": args.threads, "reps": args.reps}
-    out.write_text(json.dumps({**report, "objectives": rows}, indent=2) + "\n")
-    print(f"wrote {out}")
+    report = {"command": command(), "batch": [B, T], "threads": args.threads, "reps": args.reps}
+    print(f"wrote {write_json(args.out, {**report, 'objectives': rows})}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Whole-run wall time: the default 300-step countdown run, today's code vs an earlier revision.
 
-    python benchmarks/bench_run.py --before 328f94f --steps 300 --threads 1
+    python -m benchmarks.bench_run --before 328f94f --steps 300 --threads 1
 
 Both sides run `python -m harness.train task=countdown seed=<s>` (this venv; the earlier
 revision from a `git worktree` of it) at the same time, one thread each, so they see the same
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT, command, write_json
 
 
 def start(cwd: Path, out: Path, steps: int, seed: int, threads: int) -> subprocess.Popen:
@@ -94,7 +94,7 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
     report = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": command(),
         "before": rev,
         "after": head
         + (
@@ -108,8 +108,7 @@ def main() -> None:
         "concurrent": True,
         "pairs": pairs,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(a.out, report)
     print(f"wrote {a.out}")
 
 

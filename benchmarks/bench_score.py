@@ -1,6 +1,6 @@
 """Peak memory and time of chunked trainer scoring vs a naive full-vocabulary fp32 log-softmax.
 
-    python benchmarks/bench_score.py [--model smollm2-135m] [--batch 32] [--tokens 256] [--rounds 3]
+    python -m benchmarks.bench_score [--model smollm2-135m] [--batch 32] [--tokens 256] [--rounds 3]
 
 Each variant runs in its own subprocess; peak memory is the growth of the process's max RSS
 over the scoring call itself (hidden states precomputed). Rounds interleave naive and chunked
@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
+from functools import partial
 
 import torch
+
+from benchmarks.common import (
+    command,
+    last_json,
+    max_rss_mb,
+    ratios,
+    rounds,
+    run_module,
+    spread,
+    write_json,
+)
 
 
 def child(variant: str, model_spec: str, B: int, T: int, grad: bool) -> dict:
@@ -33,7 +40,7 @@ def child(variant: str, model_spec: str, B: int, T: int, grad: bool) -> dict:
     y = torch.randint(0, V, (B * T,), generator=g)
     W = model.lm_head.weight
     h.requires_grad_(grad)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = max_rss_mb()
     t0 = time.perf_counter()
     if variant == "naive":
         with torch.set_grad_enabled(grad):
@@ -50,8 +57,7 @@ def child(variant: str, model_spec: str, B: int, T: int, grad: bool) -> dict:
     else:
         logp = chunked_stats(h, model.lm_head, y)["logp"]
     dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"variant": variant, "grad": grad, "seconds": dt, "peak_mb": (peak - before) / 1024}
+    return {"variant": variant, "grad": grad, "seconds": dt, "peak_mb": max_rss_mb() - before}
 
 
 def main() -> None:
@@ -66,59 +72,38 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.child, a.model, a.batch, a.tokens, a.grad)))
         return
-    rows = []
-    for grad in (False, True):
-        for r in range(a.rounds):
-            for variant in ("naive", "chunked"):  # interleaved A/B, one pair per round
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--child",
-                    variant,
-                    "--model",
-                    a.model,
-                    "--batch",
-                    str(a.batch),
-                    "--tokens",
-                    str(a.tokens),
-                ] + (["--grad"] if grad else [])
-                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-                rows.append({**json.loads(out.stdout.strip().splitlines()[-1]), "round": r})
+
+    def run(variant: str, _round: int, grad: bool) -> dict:
+        args = ["--child", variant, "--model", a.model, "--batch", str(a.batch),
+                "--tokens", str(a.tokens)] + (["--grad"] if grad else [])  # fmt: skip
+        return last_json(run_module("benchmarks.bench_score", *args, check=True).stdout)
+
+    # interleaved A/B, one pair per round: each variant's results by round
+    variants = ("naive", "chunked")
+    by_grad = {g: rounds(variants, a.rounds, partial(run, grad=g)) for g in (False, True)}
     report = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": command(),
         "model": a.model,
         "B": a.batch,
         "T": a.tokens,
         "rounds": a.rounds,
     }
-
-    def mmm(xs: list[float]) -> dict[str, float]:
-        return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
-
-    for grad in (False, True):
-        sel = [r for r in rows if r["grad"] == grad]
-        by = {
-            v: sorted((r for r in sel if r["variant"] == v), key=lambda r: r["round"])
-            for v in ("naive", "chunked")
-        }
+    for grad, by in by_grad.items():
         mem = [n["peak_mb"] / max(c["peak_mb"], 1) for n, c in zip(by["naive"], by["chunked"])]
-        tim = [c["seconds"] / n["seconds"] for n, c in zip(by["naive"], by["chunked"])]
+        tim = ratios([r["seconds"] for r in by["chunked"]], [r["seconds"] for r in by["naive"]])
+        m, t = spread(mem), spread(tim)
         key = "forward+backward" if grad else "forward (no grad: logp, entropy, Σp²)"
         report[key] = {
-            **{v: {k: mmm([r[k] for r in by[v]]) for k in ("seconds", "peak_mb")} for v in by},
-            "memory_ratio_naive_over_chunked": mmm(mem),
-            "time_ratio_chunked_over_naive": mmm(tim),
+            **{v: {k: spread([r[k] for r in by[v]]) for k in ("seconds", "peak_mb")} for v in by},
+            "memory_ratio_naive_over_chunked": m,
+            "time_ratio_chunked_over_naive": t,
         }
-        m, t = mmm(mem), mmm(tim)
         print(
             f"{key}: peak memory naive/chunked median {m['median']:.1f}x "
             f"(min {m['min']:.1f}, max {m['max']:.1f}); time chunked/naive median "
             f"{t['median']:.2f} (min {t['min']:.2f}, max {t['max']:.2f}); {a.rounds} rounds"
         )
-    out = Path("results/bench/score.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json('results/bench/score.json', report)}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Step time of ratiolab's GRPO step vs TRL's GRPOTrainer on the same work.
 
-    python benchmarks/bench_step.py --model tiny --pairs 7
-    python benchmarks/bench_step.py --model task-model --pairs 7
-    python benchmarks/bench_step.py --model smollm2-135m --pairs 5
-    python benchmarks/bench_step.py --model task-model --work eos --task countdown --pairs 7
+    python -m benchmarks.bench_step --model tiny --pairs 7
+    python -m benchmarks.bench_step --model task-model --pairs 7
+    python -m benchmarks.bench_step --model smollm2-135m --pairs 5
+    python -m benchmarks.bench_step --model task-model --work eos --task countdown --pairs 7
 
 Same work on both sides. `--work fixed`: 8 prompts × 4 generations, 32 new tokens
 (EOS disabled on both, so every row is 32 tokens). `--work eos`: the default training
@@ -41,9 +41,7 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -52,6 +50,20 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import (
+    CLIP,
+    EPS_HIGH,
+    EPS_LOW,
+    INSTRUCTION,
+    LR,
+    TASK_MODELS,
+    command,
+    cpu,
+    load,
+    parse_args,
+    summary,
+    write_json,
+)
 from harness.base.models import DTYPES
 from harness.objectives import build_objective
 from harness.rl.alpha import WeightHistory
@@ -85,29 +97,6 @@ def work_for(kind: str, task_name: str, prompts: int | None = None, group: int |
     r = RolloutCfg()
     budget = r.max_new_tokens or task.max_new_tokens  # the loop's default: the task's own budget
     return Work(prompts or r.prompts_per_step, group or r.group_size, budget, True, task)
-
-
-EPS_LOW, EPS_HIGH, LR, CLIP = 0.2, 0.28, 1e-6, 1.0
-# smollm2: an instruction prefix so prompts are ~40 tokens (≤ 64, the benchmark's prompt length)
-INSTRUCTION = (
-    "You are a careful assistant. Solve the arithmetic problem below, showing the carries digit "
-    "by digit, and finish with the final answer on its own line. Problem: "
-)
-
-
-def load(spec: str, task: str):
-    """tiny: the 4-layer d = 128 arithmetic task model (SMALL_ARITHMETIC); task-model: the shipped
-    task model of `task` (arithmetic or countdown)."""
-    if spec in ("tiny", "task-model"):
-        from harness.tasks.warmstart import SMALL_ARITHMETIC, load_task_model
-
-        recipe = SMALL_ARITHMETIC if spec == "tiny" else {}
-        model, tok = load_task_model(task if spec == "task-model" else "arithmetic", **recipe)
-        return model, tok, ""
-    from harness.base.models import load_model
-
-    model, tok = load_model(spec)
-    return model, tok, INSTRUCTION
 
 
 class RatiolabStep:
@@ -241,10 +230,6 @@ def gemm_seconds(fn) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6
 
 
-def summary(xs: list[float]) -> dict[str, float]:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
-
-
 def write_summary(folder: Path) -> Path:
     """results/bench/step.json: per model, the command and every ratio's min/median/max, gathered
     from the step_<model>.json files of the latest run per model."""
@@ -263,9 +248,7 @@ def write_summary(folder: Path) -> Path:
             "gemm_floor_ratio": r.get("gemm_floor_ratio"),
             "gemm_share_of_loop_step": r.get("gemm_share_of_loop_step"),
         }
-    out = folder / "step.json"
-    out.write_text(json.dumps(summary_, indent=2) + "\n")
-    return out
+    return write_json(folder / "step.json", summary_)
 
 
 def main() -> None:
@@ -301,15 +284,15 @@ def main() -> None:
     )
     ap.add_argument("--trl-gradient-checkpointing", action="store_true")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_args(ap)
     torch.manual_seed(0)
 
     work = work_for(a.work, a.task, a.prompts, a.group)
     label = a.model + ("" if a.work == "fixed" else f"_eos_{a.task}")
     if a.work == "eos" and (a.prompts or a.group):
         label += f"_{work.prompts}x{work.group}"
-    base, tok, prefix = load(a.model, a.task)
+    base, tok = load(a.model, task=a.task)
+    prefix = "" if a.model in TASK_MODELS else INSTRUCTION
     steps = a.warmup + a.pairs
     problems = work.task.sample(work.prompts * steps, "train", 0)
     prompts = [prefix + p.prompt for p in problems]
@@ -380,7 +363,7 @@ def main() -> None:
     timed_rows = [r for r in rows if not r["warmup"]]
     trl_t = [r["trl"]["step"] for r in timed_rows]
     report = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": command(),
         "model": a.model,
         "label": label,
         "work": {
@@ -407,7 +390,7 @@ def main() -> None:
             "transformers": __import__("transformers").__version__,
         },
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu(),
             "nproc": os.cpu_count(),
             "loadavg_end": os.getloadavg(),
         },
@@ -436,9 +419,7 @@ def main() -> None:
     loop = report.get("ratiolab_loop_step_s", {}).get("median")
     report["gemm_share_of_loop_step"] = gemm_s / loop if loop else float("nan")
     report["rows"] = rows
-    out = Path(a.out or f"results/bench/step_{label}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(a.out or f"results/bench/step_{label}.json", report)
     for v in variants:
         s = report[f"ratio_{v}_over_trl"]
         print(

@@ -1,6 +1,6 @@
 """Sweep throughput: one 1-thread run per core vs one run at a time with every core.
 
-    python benchmarks/bench_sweep.py --steps 60 --rounds 2
+    python -m benchmarks.bench_sweep --steps 60 --rounds 2
 
 Each round launches the same 2-run sweep (`task=countdown seed=0,1`, the default training config)
 through the local Hydra launcher twice, back to back: `hydra.launcher.n_jobs=<cores>
@@ -11,8 +11,6 @@ first. Prints runs per hour of each and their ratio per round; writes results/be
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -20,9 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import ROOT, command, write_json
 from hydra_plugins.ratiolab_launcher import cores as launcher_cores
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def sweep(n_jobs: int, threads: int, steps: int, runs: int, out: Path) -> float:
@@ -61,7 +58,7 @@ def main() -> None:
             )
     ratios = [r["ratio_runs_per_hour"] for r in rows]
     report = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": command(),
         "cores": cores,
         "runs_per_sweep": cores,
         "steps": a.steps,
@@ -69,8 +66,7 @@ def main() -> None:
         "rounds": rows,
         "ratio_runs_per_hour_median": statistics.median(ratios),
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(a.out, report)
     print(f"median: {report['ratio_runs_per_hour_median']:.2f}× the runs per hour; wrote {a.out}")
 
 

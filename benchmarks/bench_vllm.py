@@ -1,6 +1,6 @@
 """vLLM vs ratiolab's decoder vs HF `generate` as the sampler μ: rollout time, start-up, sync.
 
-    python benchmarks/bench_vllm.py [--rounds 3 --threads 1]
+    python -m benchmarks.bench_vllm [--rounds 3 --threads 1]
 
 SmolLM2-135M, the measurement job's prompts, 48 new tokens, T = 1, fp32, no noise, at two batch
 sizes (16 prompts × 2 and × 8). Per round one rollout per sampler, interleaved: `hf_generate`
@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
-import statistics
 import time
-from pathlib import Path
 
 import torch
-from bench_ct2 import compare, sync_cost  # the same interleaved timing as the ct2 benchmark
 
+from benchmarks.common import compare, cpu, parse_args, sync_cost
 from harness.base.io import write_json_atomic
 from harness.base.models import load_model
 from harness.measure import PROMPTS, format_prompts
@@ -56,8 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = parse_args(ap)
     model, tok = load_model("smollm2-135m")
     model.eval().requires_grad_(False)
     prompts = format_prompts(tok, [p for p, _ in PROMPTS])
@@ -69,22 +65,17 @@ def main() -> None:
         "ratiolab": Engine(copy.deepcopy(model), tok),
         "vllm": vllm,
     }
-    out = {"threads": a.threads, "rounds": a.rounds, "cpu": platform.processor() or
-           platform.machine(), "vllm_version": vllm.version, "vllm_startup_s": startup}  # fmt: skip
+    out = {"threads": a.threads, "rounds": a.rounds, "cpu": cpu(), "vllm_version": vllm.version,
+           "vllm_startup_s": startup}  # fmt: skip
     print(f"SmolLM2-135M, {len(prompts)} prompts, 48 new tokens, fp32, {a.threads} threads")
     print(f"  vLLM start-up (weights written, worker, model load, warm-up): {startup:.1f} s")
     for n in (2, 8):
         print(f"\n{len(prompts)} prompts × {n}")
         out[f"n{n}"] = compare(engines, prompts, n, 48, a.rounds, ref="hf_generate")
-    sync = sync_cost(vllm, model)
-    median = statistics.median(sync)
-    out["sync_s"] = {"median": median, "all": sync}
-    print(f"\n  weight sync (write + reload + re-pack + cache reset): {median:.2f} s")
+    out["sync_s"] = sync = sync_cost(vllm, model)
+    print(f"\n  weight sync (write + reload + re-pack + cache reset): {sync['median']:.2f} s")
     vllm.close()
-    path = Path("results/bench/vllm.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, out)
-    print(f"wrote {path}")
+    print(f"wrote {write_json_atomic('results/bench/vllm.json', out)}")
 
 
 if __name__ == "__main__":

@@ -5,15 +5,12 @@ per-model memory table's arithmetic on a hand-worked case."""
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "benchmarks/bench_memory.py")
-bm = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bm)
+from benchmarks import bench_memory as bm
+
 MB, GIB = 2**20, 2**30
 
 
