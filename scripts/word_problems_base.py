@@ -1,5 +1,5 @@
 """Base accuracy of a model on task=word_problems through the harness's own engine, as
-`harness.train.evaluate` samples it (clean trainer numerics, one sample per eval problem, seed
+`harness.rl.step.evaluate` samples it (clean trainer numerics, one sample per eval problem, seed
 eval_seed=0), at each of the given temperatures and greedy (top_k=1); with the mean response
 length and the fraction of responses that hit the token budget. Task kwargs as key=value.
 

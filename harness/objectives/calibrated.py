@@ -84,6 +84,9 @@ class CalibratedClip(PolicyObjective):
     def bounds(self, batch: TokenBatch) -> tuple[float, float, float]:
         return 1.0, self.low, self.high
 
+    def calibration_due(self, step: int) -> bool:
+        return (step - 1) % self.calibrate_every == 0
+
     def __call__(self, logp: Tensor, batch: TokenBatch) -> ObjectiveOutput:
         out = super().__call__(logp, batch)
         out.metrics.update({"clip/bound_low": self.low, "clip/bound_high": self.high})

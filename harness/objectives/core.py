@@ -59,6 +59,16 @@ class Objective:
 
     inputs = "logp"  # obj(logp, batch); "logits" for opsd_fkl: obj(student, teacher, mask)
 
+    def refresh_due(self, step: int) -> bool:
+        """Whether the loop runs a calibration pass at the live weights before `step` and hands
+        it to `refresh(Δ_cal, p_t)` (snr_shrink adaptive=true)."""
+        return False
+
+    def calibration_due(self, step: int) -> bool:
+        """Whether step `step`'s first minibatch feeds `calibrate(...)` with a high-precision
+        shadow pass (calibrated_clip)."""
+        return False
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -333,6 +333,9 @@ class SNRShrink(PolicyObjective):
         self.adaptive, self.every = adaptive, every
         self.live_delta, self.live_conf = torch.zeros(0), torch.zeros(0)
 
+    def refresh_due(self, step: int) -> bool:
+        return self.adaptive and step > 1 and (step - 1) % self.every == 0
+
     def bounds(self, batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor]:
         p = trainer_prob(batch)
         b = bin_index(p, self.edges)

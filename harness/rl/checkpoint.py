@@ -355,3 +355,32 @@ def checkpoint_state(s: Setup, step: int, guard: dict) -> dict[str, Any]:
 
 
 SafeReader, SafePlanner = _safe_reader()
+
+
+def save(run_dir: Path, step: int, s: Setup, guard: dict, keep: int, aborted: bool = False) -> None:
+    """Step `step`'s checkpoint: one file, or a folder of shards when the trainer is sharded."""
+    state = checkpoint_state(s, step, guard)
+    if s.policy.sharded:
+        save_sharded(run_dir, step, s, state, keep, aborted=aborted)
+    else:
+        save_checkpoint(run_dir, step, state, keep, aborted=aborted)
+
+
+def disk_bytes(path: Path) -> int:
+    """A checkpoint's size on disk: a file, or a sharded run's folder."""
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*"))
+
+
+def end_line(run_dir: Path, last: dict, steps: int, first: int, wall_s: float) -> str:
+    """The run's last words in a log: where it is, how far it got, its last numbers and the
+    size of what resume reads (weights, optimizer state, the weight history of staleness)."""
+    from harness.runs.tracking import plain_line
+
+    if not last:  # resumed at its end: nothing ran
+        return f"[train] {run_dir}: already at step {steps}; nothing to run"
+    done = last["step"] - first + 1
+    kept = checkpoints(run_dir)
+    size = sum(disk_bytes(p) for p in kept) / 2**30
+    return (f"[train] done {run_dir}: step {last['step']}/{steps} ({done} steps in "
+            f"{wall_s:.0f} s); {len(kept)} checkpoint(s), {size:.2f} GiB; last step: "
+            f"{plain_line(last, steps)}")  # fmt: skip

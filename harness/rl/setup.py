@@ -68,7 +68,7 @@ def build_sampler(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
     return ENGINES[cfg.engine.sampler](smp, tok, noise, cfg.engine, log_dir)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Setup:
     """What `run` builds: the task, the three policies and the optimizer state."""
 
@@ -86,6 +86,14 @@ class Setup:
     # (noise model, its configured σ): drivers.beta_growth scales σ from these each step
     sigma0: list[tuple[Any, float]]
     ranks: Ranks = ONE  # this process's rank and the world size (harness.base.distributed)
+
+    def old_scorer(self) -> Engine | None:
+        """What scores π_old this step, at the behaviour weights; the choice is `build_engines`'s:
+        a copy of its own (staleness > 0, loaded here with the behaviour weights), the policy
+        before its update, or None (one minibatch: the update's first pass is π_old)."""
+        if self.old_policy is not None and self.old_policy is not self.policy:
+            self.old_policy.load_weights_from_state(self.history.behaviour())
+        return self.old_policy
 
     @property
     def trainer(self) -> Any:
@@ -162,10 +170,20 @@ def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
         kw = {**task_kw, **OmegaConf.to_container(cfg.drivers.harder, resolve=True)}
         harder = build(TASKS, task_name, "task", **kw)
     s = Setup(
-        task, harder, tok, policy, old_policy, sampler, teacher,
-        build_train_objective(cfg), opt, history, identity,
-        [(n, n.sigma) for n in sampler.noise if hasattr(n, "sigma")], ranks,
-    )  # fmt: skip
+        task=task,
+        harder_task=harder,
+        tok=tok,
+        policy=policy,
+        old_policy=old_policy,
+        sampler=sampler,
+        teacher=teacher,
+        objective=build_train_objective(cfg),
+        opt=opt,
+        history=history,
+        identity=identity,
+        sigma0=[(n, n.sigma) for n in sampler.noise if hasattr(n, "sigma")],
+        ranks=ranks,
+    )
     history.push(s.trainer)
     return s
 

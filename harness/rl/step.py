@@ -8,7 +8,8 @@
 update, so the loop passes the policy itself; with one minibatch it may pass `old_policy=None`:
 the update's only pass is then at θ = θ_old and doubles as π_old (π_old := sg(π_θ), as TRL does;
 one forward fewer). `harness.train.run`, `harness.measure` and `benchmarks/bench_step.py` all
-call these; `update_distill` is the self-distillation (OPSD) update.
+call these; `update_distill` is the self-distillation (OPSD) update; `evaluate` the held-out
+accuracy the loop logs.
 """
 
 from __future__ import annotations
@@ -463,3 +464,28 @@ def update_distill(
         metrics += [m] if m is not None else []
     student.model.eval()
     return metrics, skipped
+
+
+@torch.no_grad()
+def evaluate(
+    engine: Engine, task, problems, max_new_tokens: int, temperature: float, seed: int,
+    ranks: Ranks = ONE,
+) -> float:  # fmt: skip
+    """Held-out accuracy: one sample per problem of the fixed set at `temperature` (no top-k /
+    top-p), from the engine's current weights, seed `seed`; nan when the weights give a
+    non-finite distribution. Across ranks each samples its share (with the whole set's draws)
+    and the rewards are summed over the ranks."""
+    mine = ranks.split(len(problems))
+    try:
+        ro = engine.generate(
+            [p.prompt for p in problems[mine]], n=1, max_new_tokens=max_new_tokens,
+            temperature=temperature, seed=seed,
+            batch_rows=(mine.start, len(problems)) if ranks.world > 1 else None,
+        )  # fmt: skip
+    except FloatingPointError as e:
+        print(f"[train] eval skipped: {e}", flush=True)
+        return float("nan")
+    rewards = task.rollout_rewards(problems[mine], ro, engine.tokenizer)
+    if ranks.world == 1:
+        return float(rewards.mean())
+    return float(distributed.sum_over_ranks(rewards.double().sum())) / len(problems)

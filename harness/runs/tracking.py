@@ -99,3 +99,18 @@ class Tracker:
             self.run.finish()
         if self.writer is not None:
             self.writer.close()
+
+
+SIGNAL_STEPS = 5  # a fresh run's first steps, read for a learning signal
+
+
+def no_signal(rewards: list[float]) -> str | None:
+    """Why the first steps trained nothing, or None: {0, 1} rewards whose step means are all 0
+    (or all 1) leave every group's advantages 0, so the policy gradient is 0."""
+    if len(rewards) < SIGNAL_STEPS or len(set(rewards)) > 1 or rewards[0] not in (0.0, 1.0):
+        return None
+    every = "wrong" if rewards[0] == 0 else "right"
+    return (f"WARNING no learning signal: the mean reward of steps 1–{len(rewards)} is "
+            f"{rewards[0]:g} in every step (every response {every}): group-normalised "
+            "advantages are 0 and nothing trains. Check the task's grading against a few "
+            "responses, or start from a model that solves some problems.")  # fmt: skip

@@ -224,3 +224,18 @@ def check_collapse(guard: dict, m: dict, g) -> dict[str, float]:
         "collapse/reward_collapse": float(collapse),
         "collapse/events": float(guard["events"]),
     }
+
+
+def rollout_dials(batch) -> dict[str, float]:
+    """A step's dials on ρ = π_old/μ (the trainer at the behaviour weights vs the sampler: Table 1
+    row 3) from a TokenBatch, the identity check on the trainer's recompute, and the trainer's
+    entropy overall and per confidence bin: what the training loop logs each step."""
+    m, x = batch.mask, batch.log_rho
+    chk = identity_check(batch.logp_recompute, batch.logp_mu, m)
+    return {
+        "identity/mean_ratio": chk.mean_ratio,
+        "identity/ok": float(chk.ok),
+        **{f"dial/{k}": v for k, v in dials(x, m, batch.p_t).items()},
+        "entropy/mean": float(batch.entropy[m.bool()].mean()),
+        **bin_means(batch.entropy, batch.p_t, m, "entropy"),
+    }
