@@ -304,16 +304,16 @@ def test_the_reused_training_pass_is_pi_old_row_for_row(tmp_path, alternating_re
 def test_the_eval_set_is_the_same_for_every_training_seed(tmp_path, monkeypatch):
     """One fixed evaluation set per task (problems and sampling seed `eval_seed`), whatever
     the run's seed: seed-to-seed differences in eval accuracy are the training's."""
-    seen = {}
-
-    def spy(engine, task, problems, cfg, ranks=None):
-        seen.setdefault(cfg.seed, []).append([p.prompt for p in problems])
-        return 0.0
-
-    monkeypatch.setattr(train, "evaluate", spy)
+    seen = {0: [], 1: []}
     for seed in (0, 1):
+
+        def spy(engine, task, problems, max_new_tokens, temperature, eval_seed, ranks=None):
+            seen[seed].append(([p.prompt for p in problems], eval_seed))  # noqa: B023
+            return 0.0
+
+        monkeypatch.setattr(train, "evaluate", spy)
         train.run(_cfg(tmp_path / str(seed), "steps=2", f"seed={seed}", "eval_n=8"))
-    assert seen[0] == seen[1] and len(seen[0][0]) == 8
+    assert seen[0] == seen[1] and len(seen[0][0][0]) == 8
 
 
 def test_copy_exit_mass_by_hand():
