@@ -640,8 +640,8 @@ class Fp8Trainer(NoiseModel):
 
 def high_precision(engine):
     """A context in which a trainer-side engine (harness.sampling.engines.Engine) runs in high
-    precision
-        (engine.trainer_fp8: the shadow pass, evaluation); a no-op for every other engine."""
+    precision (engine.trainer_fp8: the shadow pass, evaluation); a no-op for every other
+    engine."""
     fp8 = engine._noise_of(Fp8Trainer) if engine is not None else None
     return fp8.high_precision() if fp8 is not None else contextlib.nullcontext()
 

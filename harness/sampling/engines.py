@@ -433,8 +433,7 @@ class Engine:
 
     def _can_decode_lean(self) -> bool:
         """The lean decode loop (harness/sampling/decode.py) runs the plain model's arithmetic:
-        only with
-                a KV cache, no noise attached and a model it reproduces exactly."""
+        only with a KV cache, no noise attached and a model it reproduces exactly."""
         return self.kv_cache and not self.noise and decode.supports(self.model)
 
     def hidden_states(self, tokens: Tensor, attention_mask: Tensor, n_prompt: int) -> Tensor:

@@ -1,9 +1,10 @@
 """μ's inference engine (`engine.sampler`): one small table and its check.
 
 hf    this process's transformers model (harness.sampling.engines.Engine), β injected by
-harness.noise ct2   CTranslate2 (harness.sampling.ct2.Ct2Engine): a second engine whose β is its
-own kernels vllm  vLLM in a worker process (harness.sampling.vllm_engine.VllmEngine): the engine
-users deploy
+      harness.noise
+ct2   CTranslate2 (harness.sampling.ct2.Ct2Engine): a second engine whose β is its own kernels
+vllm  vLLM in a worker process (harness.sampling.vllm_engine.VllmEngine): the engine users
+      deploy
 """
 
 from __future__ import annotations
