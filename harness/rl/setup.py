@@ -31,6 +31,7 @@ from harness.rl.alpha import WeightHistory
 from harness.rl.step import Sampling, adamw
 from harness.runs.validate import fsdp, noise_nodes, split_node, task_spec
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampler
 from harness.sampling.samplers import ENGINES
 from harness.tasks import TASKS, Task
 
@@ -58,7 +59,7 @@ def build_task_and_model(cfg: DictConfig) -> tuple[Task, torch.nn.Module, Any, d
     return task, model, tok, model_identity(model, cfg.model.spec, recipe)
 
 
-def build_sampler(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
+def build_sampler(cfg: DictConfig, model: torch.nn.Module, tok) -> Sampler:
     """The sampler holds its own copy of the weights: engine, dtype, attention path and noise
     are μ's (engine.sampler: harness.sampling.samplers.ENGINES)."""
     smp = copy.deepcopy(model).to(resolve_dtype(cfg.engine.sampler_dtype))
@@ -77,7 +78,7 @@ class Setup:
     tok: Any
     policy: Engine  # π_θ: the trainer
     old_policy: Engine | None  # π_old at the behaviour weights; None: the training pass is π_old
-    sampler: Engine  # μ
+    sampler: Sampler  # μ: HF Engine, Ct2Engine or VllmEngine (harness.sampling.samplers)
     teacher: torch.nn.Module | None
     objective: Any
     opt: Any  # torch.optim.AdamW, or harness.rl.step.MasterAdamW for a bf16/fp16 trainer

@@ -29,13 +29,12 @@ from harness.base.io import make_temp_dir
 from harness.base.models import cache_dir, weights_sha
 from harness.sampling.logprobs import check_sampling, kept_support, process_logits
 from harness.sampling.rollout import (
-    Rollout,
+    SecondEngine,
     check_request,
-    copy_weights,
     encode_prompts,
     eos_ids,
     pack_rollout,
-)  # fmt: skip
+)
 
 # CPU compute types: int8_float32 = int8 GEMMs (int8 weights × dynamically quantised int8
 # activations), float32 elsewhere; `int8` resolves to the same on CPU; int16 weights and GEMMs
@@ -89,12 +88,14 @@ def convert(
     return dest
 
 
-class Ct2Engine:
+class Ct2Engine(SecondEngine):
     """The sampler μ on CTranslate2 (CPU). `model` (an HF causal LM, float32) holds the weights
     that are converted; a weight sync copies new weights into it and converts them again (the
     cost is kept in `sync_s`). Same `generate` contract as `harness.sampling.engines.Engine`; the
     rollout comes back on the device of `model`'s parameters (the trainer's). CTranslate2 itself
     runs on the CPU even then: its CUDA build is another wheel (CUDA 12), not the project's."""
+
+    name = "ct2"
 
     def __init__(
         self, model, tokenizer, compute_type: str = "float32", cache: str | Path | None = None
@@ -132,34 +133,15 @@ class Ct2Engine:
     def close(self) -> None:
         shutil.rmtree(self._syncs, ignore_errors=True)
 
-    def load_weights_from_state(self, state: dict[str, Tensor]) -> None:
-        """Weight sync: the new weights are converted (nothing to do when unchanged)."""
-        t = time.perf_counter()
-        copy_weights(self.model, state)
+    def reload(self) -> None:
+        """The new weights are converted (nothing to do when unchanged)."""
         sha = weights_sha(self.model)
         if sha != self.path.name:
             old, self.path = self.path, convert(self.model, self.tokenizer, self._syncs, sha)
             if old.parent == self._syncs:
                 shutil.rmtree(old, ignore_errors=True)
-        self.sync_s.append(time.perf_counter() - t)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[str] | list[list[int]],
-        n: int = 1,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        progress: bool = False,
-        batch_rows: tuple[int, int] | None = None,
-    ) -> Rollout:
-        """`Engine.generate`'s contract; one process samples the whole batch (`batch_rows`, a
-        rank's share of it, is refused: several ranks are refused with engine.sampler=ct2)."""
-        if batch_rows is not None:
-            raise ValueError("engine.sampler=ct2 samples the whole batch in one process")
+    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress):
         check_sampling(temperature, top_k, top_p)
         ids, attn = encode_prompts(self.tokenizer, prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)

