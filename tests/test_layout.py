@@ -167,3 +167,10 @@ def test_no_tracked_file_is_one_the_repository_ignores():
            "ls-files", "--cached", "--ignored", "--exclude-standard"]  # fmt: skip
     files = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
     assert files == [], f"{len(files)} tracked files the repository ignores, e.g. {files[:3]}"
+
+
+def test_the_loop_and_the_readme_stay_short():
+    """The training loop reads as one file a person can hold (≤ 300 lines) and the README is an
+    entrance, not a manual (≤ 150 lines; the manual is docs/)."""
+    assert len((ROOT / "harness" / "train.py").read_text().splitlines()) <= 300
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
