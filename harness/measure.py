@@ -48,7 +48,7 @@ import numpy as np
 import pandas as pd
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from harness.base.batch import TokenBatch, log_rho
 from harness.base.io import write_json_atomic, write_text_atomic
@@ -58,10 +58,11 @@ from harness.objectives import build_objective
 from harness.rl.alpha import minibatch_schedule, perturb_weights_
 from harness.rl.setup import build_policy, build_sampler, step_seed
 from harness.rl.step import Sampling, adamw, collect, update
-from harness.runs.config import EngineCfg, ModelCfg, open_schema
+from harness.runs.config import EngineCfg, ModelCfg, OptimCfg, RolloutCfg, open_schema
 from harness.runs.launch import run_task
-from harness.runs.validate import ATTENTIONS, check_group_names, noise_nodes
+from harness.runs.validate import ATTENTIONS, check_nodes, noise_nodes, split_node
 from harness.sampling.engines import Engine, Rollout
+from harness.sampling.logprobs import check_sampling
 from harness.sampling.samplers import check_sampler
 from harness.stats.diagnostics import CONF_EDGES, bin_index, identity_check
 from harness.stats.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
@@ -70,46 +71,29 @@ from harness.stats.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSpli
 
 
 @dataclass
-class MeasureAlphaCfg:
-    """θ_b → θ: the live pass's policy movement."""
+class LiveCfg:
+    """θ_b → θ before the live pass: `steps` optimizer steps of the `objective` node with the
+    `optim` node's AdamW on the calibration rollouts (verifiable reward), a relative weight
+    perturbation (`perturb`: W ← W + rel_sigma·rms(W)·ξ per weight matrix,
+    harness.rl.alpha.perturb_weights_), or `none`."""
 
     mode: str = "steps"  # steps | perturb | none
-    steps: int = 2  # steps: k optimizer steps on the calibration rollouts (verifiable reward)
+    steps: int = 2
     minibatches: int | None = None  # None: one minibatch per step (cycled when steps > minibatches)
-    objective: str = "ppo_clip"
-    objective_kw: dict[str, Any] = field(default_factory=dict)
-    lr: float = 5e-5  # AdamW, no weight decay
-    grad_clip: float = 1.0
-    rel_sigma: float = 3e-3  # perturb: W ← W + rel_sigma·rms(W)·ξ per weight matrix
+    rel_sigma: float = 3e-3
     perturb_seed: int = 1
 
 
 @dataclass
-class MeasureConfig:
-    """`python -m harness.measure`: typed, so a misspelt key fails at composition. μ is built as in
-    harness.train: `engine` (EngineCfg: sampler, device, tf32, ct2.compute_type, sampler_dtype,
-    trainer_dtype, kv_cache, sampler_attention, mask_replay, routing_replay) and the noise nodes
-    `noise` (the group) then `extra_noise` (stacked in order)."""
+class MeasurementCfg:
+    """What the measurement job alone has: passes, tolerances, bins, the three-job bounds, the
+    Table 7 dials and the layer amplification."""
 
-    name: str = "measure"
-    out: str = "results/${name}"
-    force: bool = False  # overwrite a results folder that holds files tracked by git
-    seed: int = 0
-    model: ModelCfg = field(default_factory=lambda: ModelCfg(spec="smollm2-135m"))
-    noise: dict[str, Any] = field(default_factory=lambda: {"name": "none"})  # μ's injected β
-    extra_noise: list[dict[str, Any]] = field(default_factory=list)  # after `noise` (e.g. routing)
-    engine: EngineCfg = field(default_factory=EngineCfg)
-    n: int = 4  # samples per built-in prompt per round (16 prompts): ~2500 tokens per pass
     rounds: int = 1  # rollout batches per pass; statistics stream, memory does not grow
-    max_new_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
     identity_tol: float | None = None  # None: 1e-3 + 4 standard errors (diagnostics.identity_check)
     # |α, β − the pristine θ_b reference| above this aborts (float rounding: ~1e-6)
     truth_tol: float = 1e-4
     edges: list[float] | None = None  # confidence bins on trainer p_t; None: diagnostics.CONF_EDGES
-    alpha: MeasureAlphaCfg = field(default_factory=MeasureAlphaCfg)
     # the three-job bounds (harness.stats.snr): u_noise / l_noise are the noise_q / (1 − noise_q)
     # quantiles of e^Δ_cal; u_signal, l_signal = e^{±k σ_α}; ESS/N floor of the clamped weights
     noise_q: float = 0.995
@@ -124,27 +108,38 @@ class MeasureConfig:
     amp_rows: int = 2
     amp_sigma: float = 1e-2
     amp_seeds: int = 2
+
+
+@dataclass
+class MeasureConfig:
+    """`python -m harness.measure`: typed, so a misspelt key fails at composition. The nodes it
+    shares with harness.train mean what they mean there: `model`, `engine` (μ's engine and the
+    precisions), `noise` (the group) then `extra_noise`, `rollout` (prompts_per_step of the 16
+    built-in prompts, group_size samples of each, max_new_tokens, temperature, top_p, top_k),
+    `objective` and `optim` (the live steps' loss and AdamW). Its own: `live` (how θ_b moves to
+    θ) and `measurement`."""
+
+    name: str = "measure"
+    out: str = "results/${name}"
+    force: bool = False  # overwrite a results folder that holds files tracked by git
+    seed: int = 0
     progress: bool = False
-    # keys of the earlier flat schema: None, or validate() names the key that replaced them
-    sampler_noise: Any = None
-    trainer_dtype: Any = None
-    sampler_dtype: Any = None
-    kv_cache: Any = None
-    mask_replay: Any = None
-    routing_replay: Any = None
-    figures: Any = None
+    model: ModelCfg = field(default_factory=lambda: ModelCfg(spec="smollm2-135m"))
+    noise: dict[str, Any] = field(default_factory=lambda: {"name": "none"})  # μ's injected β
+    extra_noise: list[dict[str, Any]] = field(default_factory=list)  # after `noise` (e.g. routing)
+    engine: EngineCfg = field(default_factory=EngineCfg)
+    # 16 prompts × 4 samples, 48 tokens: ~2500 tokens per pass
+    rollout: RolloutCfg = field(
+        default_factory=lambda: RolloutCfg(prompts_per_step=16, group_size=4, max_new_tokens=48)
+    )
+    objective: dict[str, Any] = field(default_factory=lambda: {"name": "ppo_clip"})
+    # torch's AdamW betas, no weight decay: the live steps' optimizer
+    optim: OptimCfg = field(default_factory=lambda: OptimCfg(lr=5e-5, beta2=0.999))
+    live: LiveCfg = field(default_factory=LiveCfg)
+    measurement: MeasurementCfg = field(default_factory=MeasurementCfg)
 
 
-RETIRED = {
-    "sampler_noise": "use noise=<name> (+ noise.<kwarg>=...) and extra_noise=[...]",
-    **{
-        k: f"use engine.{k}"
-        for k in ("trainer_dtype", "sampler_dtype", "kv_cache", "mask_replay", "routing_replay")
-    },
-    "figures": "harness.measure writes data only; the analysis/ scripts draw the figures "
-    "(`make figures`, or the commands the run prints at its end)",
-}
-OPEN_NODES = ("noise", "alpha.objective_kw")  # kwargs checked against the builders at start-up
+OPEN_NODES = ("noise", "objective")  # kwargs checked against the builders at start-up
 
 # μ's noise in the default run: FP8 block-wise W8A8 (E4M3 128×128 weight blocks, 1×128 activation
 # tiles, as DeepSeek-V3; the other kwargs are harness.noise.Fp8Noise's defaults). An option of the
@@ -164,13 +159,10 @@ ConfigStore.instance().store(group="noise", name="fp8_block_w8a8", node=DEFAULT_
 def validate(cfg: DictConfig) -> None:
     """Every check that needs no model, before anything is written or loaded: each error names the
     key, the bad value and what is valid (or the key that replaced it)."""
-    gone = [f"{k} is gone: {RETIRED[k]}" for k in RETIRED if cfg.get(k) is not None]
-    if gone:
-        raise ValueError("; ".join(gone))
-    check_group_names(cfg)  # noise=<name>, not noise.name=<name>
+    check_nodes(cfg)  # noise=<name> and the objective node, against their builders
     eng = cfg.engine
     for key, value, valid in [
-        ("alpha.mode", cfg.alpha.mode, ("steps", "perturb", "none")),
+        ("live.mode", cfg.live.mode, ("steps", "perturb", "none")),
         ("engine.sampler_dtype", eng.sampler_dtype, tuple(DTYPES)),
         ("engine.trainer_dtype", eng.trainer_dtype, tuple(DTYPES)),
         ("engine.sampler_attention", eng.sampler_attention, ATTENTIONS),
@@ -186,20 +178,16 @@ def validate(cfg: DictConfig) -> None:
     for key in ("upcycle", "warmstart"):  # harness.train's task models only
         if cfg.model[key]:
             raise ValueError(f"model.{key}={cfg.model[key]!r}; valid for harness.measure: unset")
-    check_sampler(
-        eng, [n["name"] for n in noise_nodes(cfg)], {"top_k": cfg.top_k, "top_p": cfg.top_p}
-    )
+    r = cfg.rollout
+    if not 1 <= r.prompts_per_step <= len(PROMPTS):
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step}; valid: 1..{len(PROMPTS)} "
+                         "(the built-in prompts)")  # fmt: skip
+    if r.max_new_tokens is None or r.max_new_tokens < 1:
+        raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens!r}; valid: >= 1 (no task "
+                         "sets a budget here)")  # fmt: skip
+    check_sampling(r.temperature, r.top_k, r.top_p, prefix="rollout.")
+    check_sampler(eng, [n["name"] for n in noise_nodes(cfg)], r)
     resolve_device(eng.device)  # a CUDA device must exist here
-
-
-def public(cfg: DictConfig) -> DictConfig:
-    """The config without the retired keys (all None once validate() passed): what is printed and
-    written to config.yaml."""
-    out = copy.deepcopy(cfg)
-    with open_dict(out):
-        for key in RETIRED:
-            out.pop(key, None)
-    return out
 
 
 # the live pass's rollouts are steps LIVE_STEP0, LIVE_STEP0 + 1, ... of the run's seed stream
@@ -286,7 +274,13 @@ def model_spec(cfg: DictConfig) -> str:
 
 
 def sampling(cfg: DictConfig) -> Sampling:
-    return Sampling(cfg.n, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+    return Sampling(
+        cfg.rollout.group_size,
+        cfg.rollout.max_new_tokens,
+        cfg.rollout.temperature,
+        cfg.rollout.top_p,
+        cfg.rollout.top_k,
+    )
 
 
 def sample(engine: Engine, prompts, cfg: DictConfig, seed: int) -> Rollout:
@@ -330,11 +324,11 @@ def rewards(tok, ro: Rollout) -> torch.Tensor:
 
 
 def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -> dict:
-    """θ_b → θ: `alpha.steps` optimizer steps of `alpha.objective` (harness.rl.step.update) on the
-    calibration rollout `ro` (sampled by μ at θ_b; logp_old = the trainer at θ_b), GRPO
-    advantages, DAPO dynamic sampling (rows of uniform-reward groups dropped), minibatches
-    cycled."""
-    a = cfg.alpha
+    """θ_b → θ: `live.steps` optimizer steps of the `objective` node (harness.rl.step.update)
+    with the `optim` node's AdamW on the calibration rollout `ro` (sampled by μ at θ_b;
+    logp_old = the trainer at θ_b), GRPO advantages, DAPO dynamic sampling (rows of
+    uniform-reward groups dropped), minibatches cycled."""
+    a = cfg.live
     nonzero = batch.advantages.abs().sum(1) > 0  # rows whose group's rewards differ
     informative = torch.nonzero(nonzero).flatten().cpu()  # rows index any device's batch
     if len(informative) == 0:
@@ -346,12 +340,15 @@ def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -
         for rows, lag in minibatch_schedule(len(informative), m, seed=cfg.seed)
     ]
     schedule = [sched[k % len(sched)] for k in range(a.steps)]
-    obj = build_objective(a.objective, **OmegaConf.to_container(a.objective_kw, resolve=True))
-    opt = adamw(live.model, lr=a.lr, weight_decay=0.0, fused=False)
+    name, kw = split_node(cfg.objective)
+    o = cfg.optim
+    opt = adamw(live.model, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
+                fused=False)  # fmt: skip
     live.model.requires_grad_(True)
     _, metrics, skipped = update(
-        live, obj, batch, ro, schedule, opt, a.grad_clip, mask_replay=cfg.engine.mask_replay
-    )
+        live, build_objective(name, **kw), batch, ro, schedule, opt, o.grad_clip,
+        mask_replay=cfg.engine.mask_replay,
+    )  # fmt: skip
     live.model.requires_grad_(False)
     return {
         "loss": [m["loss"] for m in metrics],
@@ -434,7 +431,12 @@ def fmt_table(df: pd.DataFrame) -> str:
 def build_report(split: SNRSplit, truth: BinnedMoments | None, cfg: DictConfig, meta: dict) -> dict:
     """Everything the run writes: DataFrames and a JSON summary."""
     nodes = noise_nodes(cfg)
-    t6 = split.bounds(cfg.noise_q, cfg.signal_k, cfg.ess_floor, cfg.ess_on)
+    t6 = split.bounds(
+        cfg.measurement.noise_q,
+        cfg.measurement.signal_k,
+        cfg.measurement.ess_floor,
+        cfg.measurement.ess_on,
+    )
     per_bin = pd.concat(
         [
             split.cal.per_bin().assign(**{"pass": "cal"}),
@@ -442,7 +444,7 @@ def build_report(split: SNRSplit, truth: BinnedMoments | None, cfg: DictConfig, 
         ],
         ignore_index=True,
     )
-    pred, src = gate_prediction(per_bin[per_bin["pass"] == "cal"], nodes, cfg.temperature)
+    pred, src = gate_prediction(per_bin[per_bin["pass"] == "cal"], nodes, cfg.rollout.temperature)
     per_bin["gate_pred"] = np.concatenate([pred.to_numpy(), np.full(len(pred), np.nan)])
     hist = []
     for name, st in (("cal", split.cal), ("live", split.live)):
@@ -464,7 +466,7 @@ def build_report(split: SNRSplit, truth: BinnedMoments | None, cfg: DictConfig, 
     }
     report["summary"] = {
         **meta,
-        "label": f"{beta_label(cfg, nodes)} | α: {meta.get('alpha_label', cfg.alpha.mode)}",
+        "label": f"{beta_label(cfg, nodes)} | α: {meta.get('alpha_label', cfg.live.mode)}",
         "noise": nodes,
         "gate_sigma_source": src,
         "table3": {k: float(v) for k, v in anatomy.items()},
@@ -563,9 +565,9 @@ def run(cfg: DictConfig) -> dict:
     timings: dict[str, float] = {}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.edges is None:  # the one set of confidence bins, recorded in config.yaml
-        cfg.edges = list(CONF_EDGES)
-    write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(public(cfg), resolve=True))
+    if cfg.measurement.edges is None:  # the one set of confidence bins, recorded in config.yaml
+        cfg.measurement.edges = list(CONF_EDGES)
+    write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     torch.manual_seed(cfg.seed)
     nodes = noise_nodes(cfg)
     spec = model_spec(cfg)
@@ -582,25 +584,30 @@ def run(cfg: DictConfig) -> dict:
     # every copy of θ_b before any noise or replay hook is attached (deepcopy copies hooks)
     sampler = build_sampler(cfg, trainer_model, tok)  # μ: its own copy, dtype, engine, noise
     reference_model = copy.deepcopy(trainer_model)  # θ_b, untouched (the truth check)
-    live_model = copy.deepcopy(trainer_model) if cfg.alpha.mode != "none" else None  # → θ
+    live_model = copy.deepcopy(trainer_model) if cfg.live.mode != "none" else None  # → θ
     trainer = build_policy(cfg, trainer_model, tok)  # π at θ_b
     reference = build_policy(cfg, reference_model, tok)
-    prompts = format_prompts(tok, [p for p, _ in PROMPTS])
-    stats_kw = {"cap": cfg.cap, "band": tuple(cfg.band)}
-    split = SNRSplit(list(cfg.edges), **stats_kw)
+    prompts = format_prompts(tok, [p for p, _ in PROMPTS[: cfg.rollout.prompts_per_step]])
+    stats_kw = {"cap": cfg.measurement.cap, "band": tuple(cfg.measurement.band)}
+    split = SNRSplit(list(cfg.measurement.edges), **stats_kw)
     ident: dict[str, list[float]] = {"cal": [], "live": []}
 
     # --- 1. calibration: α ≡ 0 -----------------------------------------------------------------
     t = time.time()
     first = None
-    for i in range(cfg.rounds):
-        print(f"[measure] calibration round {i + 1}/{cfg.rounds}: sampling ...", flush=True)
+    for i in range(cfg.measurement.rounds):
+        print(
+            f"[measure] calibration round {i + 1}/{cfg.measurement.rounds}: sampling ...",
+            flush=True,
+        )
         batch, ro, r = collect(
             sampler, trainer, prompts, partial(rewards, tok), sampling(cfg),
             seed=step_seed(cfg.seed, i), mask_replay=replay, progress=cfg.progress,
         )  # fmt: skip
         sc = {"p_t": batch.p_t, "p_sq_sum": batch.p_sq_sum}
-        ident["cal"].append(check_identity(batch.logp_old, ro, cfg.identity_tol, "calibration"))
+        ident["cal"].append(
+            check_identity(batch.logp_old, ro, cfg.measurement.identity_tol, "calibration")
+        )
         split.add_cal(**token_arrays(ro, sc, batch.logp_old))
         if first is None:
             first = (batch, ro, float(r.mean()))
@@ -608,19 +615,18 @@ def run(cfg: DictConfig) -> dict:
 
     # --- 2. α: θ_b → θ --------------------------------------------------------------------------
     t = time.time()
-    alpha_info: dict = {"mode": cfg.alpha.mode}
+    alpha_info: dict = {"mode": cfg.live.mode}
     live = trainer
     if live_model is not None:
         live = build_policy(cfg, live_model, tok)
-        if cfg.alpha.mode == "perturb":
-            perturb_weights_(live_model, cfg.alpha.rel_sigma, seed=cfg.alpha.perturb_seed)
-            alpha_info["label"] = f"perturb rel σ={cfg.alpha.rel_sigma:g}"
+        if cfg.live.mode == "perturb":
+            perturb_weights_(live_model, cfg.live.rel_sigma, seed=cfg.live.perturb_seed)
+            alpha_info["label"] = f"perturb rel σ={cfg.live.rel_sigma:g}"
         else:
-            print(f"[measure] α: {cfg.alpha.steps} × {cfg.alpha.objective} steps ...", flush=True)
+            steps, objective = cfg.live.steps, cfg.objective.name
+            print(f"[measure] α: {steps} × {objective} steps ...", flush=True)
             alpha_info.update(train_steps(live, first[0], first[1], cfg), reward_mean=first[2])
-            alpha_info["label"] = (
-                f"{cfg.alpha.steps} {cfg.alpha.objective} steps, lr={cfg.alpha.lr:g}"
-            )
+            alpha_info["label"] = f"{steps} {objective} steps, lr={cfg.optim.lr:g}"
         alpha_info["rel_weight_change"] = rel_weight_change(live_model, trainer_model)
     else:
         alpha_info["label"] = "none"
@@ -632,37 +638,41 @@ def run(cfg: DictConfig) -> dict:
     # any α step (not the trainer object): it fails when the trainer drifted from θ_b or when α
     # or β were measured against the wrong policy.
     t = time.time()
-    truth = BinnedMoments(len(cfg.edges) - 1, 2)
+    truth = BinnedMoments(len(cfg.measurement.edges) - 1, 2)
     max_err = 0.0
     amp_tokens = None
-    for i in range(cfg.rounds):
-        print(f"[measure] live round {i + 1}/{cfg.rounds}: sampling ...", flush=True)
+    for i in range(cfg.measurement.rounds):
+        print(f"[measure] live round {i + 1}/{cfg.measurement.rounds}: sampling ...", flush=True)
         ro = sample(sampler, prompts, cfg, seed=step_seed(cfg.seed, LIVE_STEP0 + i))
         sc_b = trainer.logp(ro, mask_replay=replay)
         sc_t = sc_b if live is trainer else live.logp(ro, mask_replay=replay)
-        ident["live"].append(check_identity(sc_t["logp"], ro, cfg.identity_tol, "live"))
+        ident["live"].append(check_identity(sc_t["logp"], ro, cfg.measurement.identity_tol, "live"))
         arr = token_arrays(ro, sc_t, sc_t["logp"])
         split.add_live(**arr)
         m = ro.response_mask.bool()
         beta = log_rho(sc_b["logp"], ro.logp_mu)[m].double()
         alpha = (sc_t["logp"] - sc_b["logp"])[m].double()
         alpha_beta = torch.stack([alpha, beta], 1).cpu().numpy()
-        truth.add(bin_index(arr["conf"], list(cfg.edges)), alpha_beta)
+        truth.add(bin_index(arr["conf"], list(cfg.measurement.edges)), alpha_beta)
         ref = reference.logp(ro, stats=False, mask_replay=replay)["logp"][m].double()
         err = torch.cat([beta - log_rho(ref, ro.logp_mu[m]), alpha - (sc_t["logp"][m] - ref)])
         max_err = max(max_err, float(err.abs().max()))
         if amp_tokens is None:
-            amp_tokens = (ro.tokens[: cfg.amp_rows], ro.attention_mask[: cfg.amp_rows])
+            amp_tokens = (
+                ro.tokens[: cfg.measurement.amp_rows],
+                ro.attention_mask[: cfg.measurement.amp_rows],
+            )
     timings["live_s"] = time.time() - t
-    if max_err > cfg.truth_tol:
+    if max_err > cfg.measurement.truth_tol:
         raise RuntimeError(
             f"[measure] ground truth check failed: the per-token α, β differ from the pristine "
-            f"θ_b reference by up to {max_err:.3g} (> truth_tol={cfg.truth_tol:g}): the trainer "
-            "moved away from the behaviour weights, or α/β were read against the wrong policy"
+            f"θ_b reference by up to {max_err:.3g} (> measurement.truth_tol="
+            f"{cfg.measurement.truth_tol:g}): the trainer moved away from the behaviour weights, "
+            "or α/β were read against the wrong policy"
         )
 
     # --- 4. layer amplification ----------------------------------------------------------------
-    if cfg.amp_rows > 0:
+    if cfg.measurement.amp_rows > 0:
         t = time.time()
         rows = []
         for where in (0, "embed"):
@@ -670,8 +680,8 @@ def run(cfg: DictConfig) -> dict:
                 trainer_model,
                 amp_tokens[0],
                 inject_at=where,
-                sigma=cfg.amp_sigma,
-                seeds=tuple(range(cfg.amp_seeds)),
+                sigma=cfg.measurement.amp_sigma,
+                seeds=tuple(range(cfg.measurement.amp_seeds)),
                 attention_mask=amp_tokens[1],
             )
             rows.append(pd.DataFrame(amp).assign(inject_at=str(where)))
@@ -689,7 +699,7 @@ def run(cfg: DictConfig) -> dict:
         "alpha_label": alpha_info["label"],
         "identity_mean_ratio": {k: float(np.mean(v)) for k, v in ident.items()},
         "truth_max_abs_err": max_err,  # α, β vs the pristine θ_b reference: 0 up to rounding
-        "amp_sigma": cfg.amp_sigma,
+        "amp_sigma": cfg.measurement.amp_sigma,
     }
     report = build_report(split, truth, cfg, meta)
     text = tables_text(report)
@@ -711,7 +721,7 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
 def main(cfg: DictConfig) -> None:
     validate(cfg)  # before run_task records meta.json in the run folder
     guard_committed(cfg)
-    print(OmegaConf.to_yaml(public(cfg)))
+    print(OmegaConf.to_yaml(cfg))
     return run_task(run, cfg)
 
 

@@ -230,7 +230,7 @@ def test_docs_choose_swept_axes_as_groups():
 def test_an_objective_trains_the_loss_harness_measure_builds(name, tmp_path):
     """`objective=X` trains with the aggregation X's builder defaults to (gspo:
     seq-mean-token-mean, each sequence's token mean averaged over sequences, as GSPO and verl
-    aggregate), the loss harness.measure builds for alpha.objective=X (`build_objective(X)`):
+    aggregate), the loss harness.measure builds for objective=X (`build_objective(X)`):
     equal on a batch of ragged lengths, where token-mean and seq-mean-token-mean differ."""
     import torch
 

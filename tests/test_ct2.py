@@ -205,11 +205,11 @@ def test_measure_with_ct2_as_the_sampler(tmp_path, ct2_cache):
 
     from harness import measure
 
-    f32 = measure.run(measure_cfg(tmp_path / "f32", *TINY, "noise=none", "alpha.mode=none",
+    f32 = measure.run(measure_cfg(tmp_path / "f32", *TINY, "noise=none", "live.mode=none",
                                   "engine.sampler=ct2"))  # fmt: skip
     assert f32["table7"]["cal"]["max_abs_delta"] <= 1e-5 and f32["sampler"] == "ct2"
     assert f32["label"].startswith("CTranslate2 float32")
-    i8 = measure.run(measure_cfg(tmp_path / "i8", *TINY, "noise=none", "alpha.mode=none",
+    i8 = measure.run(measure_cfg(tmp_path / "i8", *TINY, "noise=none", "live.mode=none",
                                  "engine.sampler=ct2", "engine.ct2.compute_type=int8"))  # fmt: skip
     assert i8["table7"]["cal"]["mean_abs_delta"] > 1e-4
     assert abs(i8["identity_mean_ratio"]["cal"] - 1) < 0.05

@@ -154,8 +154,9 @@ def test_train_runs_on_cuda(tmp_path, extra):
 def test_measure_runs_on_cuda(tmp_path):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("measure", overrides=[
-            f"out={tmp_path}", "model=tiny-llama", "n=2", "max_new_tokens=8", "amp_rows=2",
-            "engine.device=cuda", "alpha.steps=1", "alpha.lr=1e-3",
+            f"out={tmp_path}", "model=tiny-llama", "rollout.group_size=2",
+            "rollout.max_new_tokens=8", "measurement.amp_rows=2", "engine.device=cuda",
+            "live.steps=1", "optim.lr=1e-3",
         ])  # fmt: skip
     measure.run(cfg)
     assert (tmp_path / "table6.csv").exists() and (tmp_path / "summary.json").exists()

@@ -1,5 +1,4 @@
 import json
-import re
 import subprocess
 import sys
 import time
@@ -22,7 +21,8 @@ CONFIG_DIR = str((measure.__file__.rsplit("/harness/", 1)[0]) + "/experiments")
 MEASURE = Path(CONFIG_DIR) / "measure"  # the presets: python -m harness.measure measure=<name>
 FILES = ["table3.csv", "table6.csv", "table7.csv", "per_bin.csv", "truth.csv", "summary.json"]
 FILES += ["abs_delta_hist.csv", "layer_amplification.csv", "tables.txt", "snr_shrink.json"]
-TINY = ["model=tiny-llama", "n=2", "max_new_tokens=8", "amp_rows=2"]
+TINY = ["model=tiny-llama", "rollout.group_size=2", "rollout.max_new_tokens=8"]
+TINY += ["measurement.amp_rows=2"]
 TINY += ["engine.device=cpu"]  # the CPU numbers these tests pin, also where a GPU is
 
 
@@ -52,36 +52,29 @@ def test_the_engine_node_is_harness_train_s(tmp_path):
     cfg = _cfg(tmp_path, "engine.kv_cache=false", "engine.sampler_dtype=bf16")
     assert set(cfg.engine) == {f.name for f in fields(EngineCfg)}
     assert cfg.engine.kv_cache is False and cfg.engine.sampler_dtype == "bf16"
-    for bad in ("engine.kv_cach=false", "n_samples=3", "alpha.step=3"):
+    for bad in ("engine.kv_cach=false", "n_samples=3", "live.step=3"):
         with pytest.raises(ConfigCompositionException):
             _cfg(tmp_path, bad)
     with pytest.raises(ConfigCompositionException):
         _cfg(tmp_path, "engine.kv_cache=maybe")
 
 
-@pytest.mark.parametrize(
-    "override, new",
-    [
-        ("sampler_noise=[]", "noise=<name> (+ noise.<kwarg>=...) and extra_noise=[...]"),
-        ("+sampler_noise=[{name:layer}]", "noise=<name>"),
-        ("kv_cache=false", "engine.kv_cache"),
-        ("trainer_dtype=bf16", "engine.trainer_dtype"),
-        ("sampler_dtype=bf16", "engine.sampler_dtype"),
-        ("mask_replay=false", "engine.mask_replay"),
-        ("routing_replay=true", "engine.routing_replay"),
-        ("figures=false", "analysis/"),
-    ],
-)
-def test_keys_of_the_flat_schema_fail_before_compute_naming_the_new_key(tmp_path, monkeypatch,
-                                                                        override, new):  # fmt: skip
-    def no_load(*a, **k):
-        raise AssertionError("a model was loaded before the config was checked")
+def test_the_nodes_shared_with_training_are_training_s(tmp_path):
+    """One schema: `rollout`, `engine`, `model` and `optim` are harness.train's nodes (the same
+    keys), the objective is the `objective` group's node, and the job's own keys live in `live`
+    and `measurement`; the keys of earlier schemas (`n`, `alpha.*`, `amp_rows`, `kv_cache`,
+    `sampler_noise`) are unknown, so a stale command fails at composition."""
+    from harness.runs.config import OptimCfg, RolloutCfg
 
-    monkeypatch.setattr(measure, "load_model", no_load)
-    key = override.lstrip("+").split("=")[0]
-    with pytest.raises(ValueError, match=rf"^{key} is gone: .*{re.escape(new)}"):
-        measure.run(_cfg(tmp_path / "run", *TINY, override))
-    assert not (tmp_path / "run").exists()  # nothing written
+    cfg = _cfg(tmp_path, "rollout.group_size=3", "objective=cispo", "live.mode=none")
+    assert set(cfg.rollout) == {f.name for f in fields(RolloutCfg)}
+    assert set(cfg.optim) == {f.name for f in fields(OptimCfg)}
+    assert cfg.rollout.group_size == 3 and cfg.objective.name == "cispo"
+    assert measure.sampling(cfg).n == 3
+    for stale in ("n=2", "alpha.mode=none", "amp_rows=0", "kv_cache=false", "sampler_noise=[]",
+                  "rounds=2", "max_new_tokens=8"):  # fmt: skip
+        with pytest.raises(ConfigCompositionException):
+            _cfg(tmp_path, stale)
 
 
 def test_experiment_on_the_command_line_points_at_the_measure_group():
@@ -116,7 +109,7 @@ def test_the_job_writes_data_and_prints_the_figure_commands(tmp_path):
 
 def test_measure_tiny_no_noise_no_alpha_is_exact(tmp_path):
     """Same weights, same dtype, no noise, α ≡ 0: Δ ≡ 0 up to KV-cache vs recompute rounding."""
-    s = measure.run(_cfg(tmp_path, *TINY, "noise=none", "alpha.mode=none"))
+    s = measure.run(_cfg(tmp_path, *TINY, "noise=none", "live.mode=none"))
     assert s["table7"]["cal"]["max_abs_delta"] <= 1e-5
     assert s["table7"]["live"]["max_abs_delta"] <= 1e-5
     assert s["truth_max_abs_err"] == 0.0
@@ -139,7 +132,7 @@ def test_truth_check_catches_a_trainer_that_moved(tmp_path, monkeypatch):
 
     monkeypatch.setattr(measure, "load_model", load)
     monkeypatch.setattr(measure, "perturb_weights_", perturb_both)
-    cfg = _cfg(tmp_path, *TINY, "noise=none", "alpha.mode=perturb", "alpha.rel_sigma=0.05")
+    cfg = _cfg(tmp_path, *TINY, "noise=none", "live.mode=perturb", "live.rel_sigma=0.05")
     with pytest.raises(RuntimeError, match="ground truth check failed"):
         measure.run(cfg)
 
@@ -152,8 +145,8 @@ def test_measure_tiny_perturb_ground_truth(tmp_path):
             *TINY,
             "noise=layer",
             "noise.sigma=3e-2",
-            "alpha.mode=perturb",
-            "alpha.rel_sigma=0.05",
+            "live.mode=perturb",
+            "live.rel_sigma=0.05",
         )
     )
     for f in FILES:
@@ -183,7 +176,7 @@ def test_measure_tiny_steps_moves_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(
         measure, "rewards", lambda tok, ro: (torch.arange(ro.response_ids.shape[0]) % 2).float()
     )
-    s = measure.run(_cfg(tmp_path, *TINY, "alpha.mode=steps", "alpha.steps=2", "alpha.lr=1e-3"))
+    s = measure.run(_cfg(tmp_path, *TINY, "live.mode=steps", "live.steps=2", "optim.lr=1e-3"))
     assert len(s["alpha"]["loss"]) == 2 and s["alpha"]["frac_nonzero_adv"] == 1.0
     assert s["alpha"]["rel_weight_change"] > 1e-4
     assert s["truth_max_abs_err"] < 1e-5
@@ -191,7 +184,9 @@ def test_measure_tiny_steps_moves_weights(tmp_path, monkeypatch):
 
 def test_measure_aborts_on_identity_failure(tmp_path):
     with pytest.raises(SystemExit, match="identity check failed"):
-        measure.run(_cfg(tmp_path, *TINY, "noise=layer", "noise.sigma=0.1", "identity_tol=1e-9"))
+        measure.run(
+            _cfg(tmp_path, *TINY, "noise=layer", "noise.sigma=0.1", "measurement.identity_tol=1e-9")
+        )
 
 
 @pytest.mark.slow
@@ -199,7 +194,15 @@ def test_measure_smollm2_fp8_default_small(tmp_path):
     """The default job (FP8 block W8A8, α by ppo_clip steps), shrunk: runs, writes the tables and
     the estimated-vs-true SNR table (values reported, not asserted); the commands it prints draw
     its figures, as `make demo` does."""
-    s = measure.run(_cfg(tmp_path, "n=1", "max_new_tokens=16", "amp_rows=1", "amp_seeds=1"))
+    s = measure.run(
+        _cfg(
+            tmp_path,
+            "rollout.group_size=1",
+            "rollout.max_new_tokens=16",
+            "measurement.amp_rows=1",
+            "measurement.amp_seeds=1",
+        )
+    )
     assert abs(s["identity_mean_ratio"]["cal"] - 1) < 0.05
     # FP8 block W8A8 on SmolLM2: mean |Δ| of 0.1–0.2 nats (the committed results/measure: 0.17)
     assert 0.02 < s["table3"]["mean"] < 0.5
@@ -245,7 +248,8 @@ def test_measure_refuses_to_overwrite_committed_results(tmp_path):
         ("engine.trainer_dtype=int8", "engine.trainer_dtype"),
         ("engine.sampler_attention=flash", "engine.sampler_attention"),
         ("engine.logp_old_source=sampler", "engine.logp_old_source"),
-        ("alpha.mode=random", "alpha.mode"),
+        ("live.mode=random", "live.mode"),
+        ("rollout.prompts_per_step=17", "rollout.prompts_per_step"),
         ("engine.micro_batch_tokens=0", "engine.micro_batch_tokens"),
     ],
 )
