@@ -167,4 +167,4 @@ def run_events(df: pd.DataFrame, warmup: int = 20) -> pd.DataFrame:
             event, at = fn(g, warmup=warmup) if name == "collapse" else fn(g)
             row[name], row[f"{name}_at"] = float(event), at
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=None if rows else ["run", "arm", "seed", "complete"])
