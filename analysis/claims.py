@@ -37,10 +37,21 @@ from analysis.stats import (
 from harness.base.io import write_text_atomic
 from harness.runs.prereg import check_prereg
 
-EXPERIMENTS = ["collapse_reject_vs_clamp", "collapse_drivers", "fp8_entropy_surge",
-               "fp8_full_pipeline", "nsr_vs_decay", "opsd_repetition", "cis_vs_tis",
-               "phase_diagram", "nsr_dose", "cis_dose", "surge_confirm", "nsr_confirm",
-               "collapse_confirm"]  # fmt: skip
+EXPERIMENTS = [
+    "collapse_reject_vs_clamp",
+    "collapse_drivers",
+    "fp8_entropy_surge",
+    "fp8_full_pipeline",
+    "nsr_vs_decay",
+    "opsd_repetition",
+    "cis_vs_tis",
+    "phase_diagram",
+    "nsr_dose",
+    "cis_dose",
+    "surge_confirm",
+    "nsr_confirm",
+    "collapse_confirm",
+]
 ALPHA = 0.05
 
 
@@ -81,12 +92,16 @@ def summary_problems(df: pd.DataFrame, exp: str) -> list[str]:
     """Why a summary cannot give the registered tests: runs that stopped early, or that were
     configured shorter than the experiment's preset (a toy sweep's 4 steps of 100)."""
     last = df.groupby("run").agg(step=("step", "max"), steps=("steps", "first"))
-    out = [f"{exp}: run {r} stopped at step {x.step} of {x.steps}"
-           for r, x in last[last.step < last.steps].iterrows()]  # fmt: skip
+    out = [
+        f"{exp}: run {r} stopped at step {x.step} of {x.steps}"
+        for r, x in last[last.step < last.steps].iterrows()
+    ]
     planned = preset_config(exp).get("steps")
     if isinstance(planned, int):
-        out += [f"{exp}: run {r} ran {x.steps} steps; the preset registers {planned}"
-                for r, x in last[last.steps < planned].iterrows()]  # fmt: skip
+        out += [
+            f"{exp}: run {r} ran {x.steps} steps; the preset registers {planned}"
+            for r, x in last[last.steps < planned].iterrows()
+        ]
     return out
 
 
@@ -99,8 +114,11 @@ def endpoint_problems(df: pd.DataFrame, ep: dict) -> list[str]:
         last = "no runs" if runs.empty else f"the last step is {runs.step.max()}"
         out.append(f"{ep['name']}: window {list(ep['window'])} lies beyond the last step ({last})")
     n = runs.groupby(["arm", "seed"]).run.unique()
-    out += [f"{ep['name']}: arm {arm!r} seed {seed} has {len(r)} runs in this cell ({', '.join(r)})"
-            for (arm, seed), r in n.items() if len(r) > 1]  # fmt: skip
+    out += [
+        f"{ep['name']}: arm {arm!r} seed {seed} has {len(r)} runs in this cell ({', '.join(r)})"
+        for (arm, seed), r in n.items()
+        if len(r) > 1
+    ]
     return out
 
 
@@ -114,8 +132,11 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
     # pairs where both arms have a value (e.g. an exit-mass ratio needs repetitions to exist)
     seeds = sorted(s for s in set(t.index) & set(c.index) if np.isfinite([t[s], c[s]]).all())
     x, y = t.loc[seeds].to_numpy(), c.loc[seeds].to_numpy()
-    out: dict[str, Any] = {"pairs": len(seeds), "treatment_mean": float(x.mean()),
-                           "control_mean": float(y.mean())}  # fmt: skip
+    out: dict[str, Any] = {
+        "pairs": len(seeds),
+        "treatment_mean": float(x.mean()),
+        "control_mean": float(y.mean()),
+    }
     if len(seeds) < 2:
         return {**out, "verdict": f"not testable ({len(seeds)} paired seed)"}
     sign = 1 if ep["predicted"] == "greater" else -1
@@ -141,8 +162,7 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
     if ep["test"] == "tost":
         eq = tost(x, y, ep["margin"], ALPHA)
         stat = f"TOST ±{ep['margin']}; paired t = {pt['t']:.2f} (p = {pt['p']:.2g})"
-        out.update(stat=stat, p=eq["p"], ci_lo=eq["ci_lo"], ci_hi=eq["ci_hi"],
-                   p_difference=pt["p"])  # fmt: skip
+        out.update(stat=stat, p=eq["p"], ci_lo=eq["ci_lo"], ci_hi=eq["ci_hi"], p_difference=pt["p"])
         if eq["p"] < ALPHA:
             out["verdict"] = f"not reproduced: equivalent within ±{ep['margin']}"
         elif pt["p"] < ALPHA:  # the paired t resolves a difference: in which direction
@@ -173,8 +193,10 @@ def mark(res: dict[str, Any], ep: dict) -> str:
         return f"{ep['name']}: {res['stat']}, Fisher p = {res['p']:.2g} ({stars(res['p'])})"
     ci = "90% CI" if ep["test"] == "tost" else "95% CI"
     test = f"TOST ±{ep['margin']:g} p" if ep["test"] == "tost" else "p"
-    return (f"{ep['name']}: Δ {res['diff']:+.3f}, {ci} [{res['ci_lo']:+.3f}, {res['ci_hi']:+.3f}]"
-            f", {test} = {res['p']:.2g} ({stars(res['p'])})")  # fmt: skip
+    return (
+        f"{ep['name']}: Δ {res['diff']:+.3f}, {ci} [{res['ci_lo']:+.3f}, {res['ci_hi']:+.3f}]"
+        f", {test} = {res['p']:.2g} ({stars(res['p'])})"
+    )
 
 
 def endpoint_marks(root: Path, exp: str) -> dict[str, str]:
@@ -283,23 +305,36 @@ def claims(root: Path) -> pd.DataFrame:
             d_cell = select_cell(df, ep.get("where"))  # the mechanism of the endpoint's cell
             m_cell = None if mech is None else select_cell(mech, ep.get("where"), strict=False)
             status = audit.get(exp, {}).get(ep["name"], "confirmatory")
-            rows.append({
-                "experiment": exp, "claim": prereg["claim"], "source": prereg["source"],
-                "treatment": tr, "control": ct, "endpoint": ep["name"], "metric": ep["metric"],
-                "reduce": ep["reduce"], "test": ep["test"], "predicted": ep["predicted"],
-                "where": ", ".join(f"{k}={v}" for k, v in (ep.get("where") or {}).items()),
-                "seeds_planned": prereg["seeds"], "status": status,
-                "kind": kind(ep, res["verdict"]),
-                "in_kind": in_kind_counts(
-                    d_cell, [tr, ct], ep.get("warmup", 20), prereg.get("aa_offset")
-                ),
-                "aa": mark(aa, ep) if aa is not None else None,
-                "mechanism_treatment": mechanism_summary(m_cell, d_cell, tr),
-                "mechanism_control": mechanism_summary(m_cell, d_cell, ct), **res,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "experiment": exp,
+                    "claim": prereg["claim"],
+                    "source": prereg["source"],
+                    "treatment": tr,
+                    "control": ct,
+                    "endpoint": ep["name"],
+                    "metric": ep["metric"],
+                    "reduce": ep["reduce"],
+                    "test": ep["test"],
+                    "predicted": ep["predicted"],
+                    "where": ", ".join(f"{k}={v}" for k, v in (ep.get("where") or {}).items()),
+                    "seeds_planned": prereg["seeds"],
+                    "status": status,
+                    "kind": kind(ep, res["verdict"]),
+                    "in_kind": in_kind_counts(
+                        d_cell, [tr, ct], ep.get("warmup", 20), prereg.get("aa_offset")
+                    ),
+                    "aa": mark(aa, ep) if aa is not None else None,
+                    "mechanism_treatment": mechanism_summary(m_cell, d_cell, tr),
+                    "mechanism_control": mechanism_summary(m_cell, d_cell, ct),
+                    **res,
+                }
+            )
     if problems:
-        raise ValueError("claims: refused, nothing written; the summaries hold runs that cannot "
-                         "give the registered tests:\n  - " + "\n  - ".join(problems))  # fmt: skip
+        raise ValueError(
+            "claims: refused, nothing written; the summaries hold runs that cannot "
+            "give the registered tests:\n  - " + "\n  - ".join(problems)
+        )
     return corrected(pd.DataFrame(rows))
 
 
@@ -332,18 +367,35 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
 
 
 def markdown(table: pd.DataFrame) -> str:
-    head = ["experiment", "claim (source)", "endpoint (test)", "treatment vs control",
-            "difference [CI]", "statistic", "p", "p Holm / q BH", "verdict", "kind",
-            "survives correction", "MDE (80% power) · seeds for the observed effect",
-            "in-kind events per arm (treatment vs control)", "A/A", "status",
-            "mechanism (treatment arm)"]  # fmt: skip
+    head = [
+        "experiment",
+        "claim (source)",
+        "endpoint (test)",
+        "treatment vs control",
+        "difference [CI]",
+        "statistic",
+        "p",
+        "p Holm / q BH",
+        "verdict",
+        "kind",
+        "survives correction",
+        "MDE (80% power) · seeds for the observed effect",
+        "in-kind events per arm (treatment vs control)",
+        "A/A",
+        "status",
+        "mechanism (treatment arm)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.to_dict("records"):
         if not isinstance(r.get("claim"), str):
             lines.append(f"| {r['experiment']} | | | | | | | | {r['verdict']} |" + " |" * 7)
             continue
-        diff = (f"{_fmt(r.get('diff'), '+.4f')} [{_fmt(r.get('ci_lo'), '+.4f')}, "
-                f"{_fmt(r.get('ci_hi'), '+.4f')}]") if "diff" in r else "—"  # fmt: skip
+        diff = (
+            f"{_fmt(r.get('diff'), '+.4f')} [{_fmt(r.get('ci_lo'), '+.4f')}, "
+            f"{_fmt(r.get('ci_hi'), '+.4f')}]"
+            if "diff" in r
+            else "—"
+        )
         means = f"{_fmt(r.get('treatment_mean'), '.4f')} vs {_fmt(r.get('control_mean'), '.4f')}"
         pairs = f"{int(r['pairs'])}/{int(r['seeds_planned'])} seeds"
         cell = f" at {r['where']}" if r.get("where") else ""
@@ -367,21 +419,23 @@ def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
     table = claims(root)
     write_text_atomic(root / "claims.csv", table.to_csv(index=False, float_format="%.5g"))
-    text = ("# Claims table (generated by `python -m analysis.claims`; do not edit)\n\n"
-            "Each row is one pre-registered endpoint (the experiment's preset, `prereg`), "
-            "computed from the committed summary.csv exactly as registered; arms paired by "
-            "seed. Tests two-sided at α = 0.05 except Fisher's (one-sided, predicted "
-            "direction); intervals 95% (TOST: 90%). *kind*: **in kind** when the registered "
-            "phenomenon itself happened (runs with the event, Fisher), **in sign** when a "
-            "registered directional difference did, else neither. Corrections: Holm within "
-            "each experiment, Benjamini–Hochberg across every confirmatory endpoint; rows "
-            "an audit marks exploratory (results/audit.yaml) leave both. MDE: the smallest "
-            "true difference the test detects with 80% power at this many pairs and the "
-            "observed SD of the paired differences (Fisher: the fewest treatment events that "
-            "reach p < 0.05 against none). In-kind events (analysis.events): surge = 10-step "
-            "mean entropy ≥ 2× steps 1–10; collapse = 10-step mean reward < 0.5× its best "
-            "after step 20, to the end; entropy guard = a step's entropy > 2× steps 1–10; "
-            "loops = a terminal loop in the last 20% of steps.\n\n") + markdown(table)  # fmt: skip
+    text = (
+        "# Claims table (generated by `python -m analysis.claims`; do not edit)\n\n"
+        "Each row is one pre-registered endpoint (the experiment's preset, `prereg`), "
+        "computed from the committed summary.csv exactly as registered; arms paired by "
+        "seed. Tests two-sided at α = 0.05 except Fisher's (one-sided, predicted "
+        "direction); intervals 95% (TOST: 90%). *kind*: **in kind** when the registered "
+        "phenomenon itself happened (runs with the event, Fisher), **in sign** when a "
+        "registered directional difference did, else neither. Corrections: Holm within "
+        "each experiment, Benjamini–Hochberg across every confirmatory endpoint; rows "
+        "an audit marks exploratory (results/audit.yaml) leave both. MDE: the smallest "
+        "true difference the test detects with 80% power at this many pairs and the "
+        "observed SD of the paired differences (Fisher: the fewest treatment events that "
+        "reach p < 0.05 against none). In-kind events (analysis.events): surge = 10-step "
+        "mean entropy ≥ 2× steps 1–10; collapse = 10-step mean reward < 0.5× its best "
+        "after step 20, to the end; entropy guard = a step's entropy > 2× steps 1–10; "
+        "loops = a terminal loop in the last 20% of steps.\n\n"
+    ) + markdown(table)
     write_text_atomic(root / "claims.md", text)
     print(text)
 

@@ -12,8 +12,10 @@ EXP = "collapse_drivers"
 
 
 def main(argv: list[str] | None = None) -> None:
-    title = ("Student-t (ν=3) logit noise in μ, σ 0.5 → 0.7; numbers up to 15 from step 40; "
-             "countdown task model")  # fmt: skip
+    title = (
+        "Student-t (ν=3) logit noise in μ, σ 0.5 → 0.7; numbers up to 15 from step 40; "
+        "countdown task model"
+    )
     draw(results_root(argv), EXP, title)
 
 

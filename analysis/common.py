@@ -33,8 +33,10 @@ def savefig(fig: plt.Figure, path: str | Path, bottom: float = 0.0) -> Path:
     png, pdf = (path.parent / f"{path.name}{ext}" for ext in (".png", ".pdf"))
     # no timestamps in the files: regenerating unchanged data leaves git clean; each written
     # atomically (an interrupted run leaves the previous figure, not half of a new one)
-    for out, kw in ((png, {"dpi": 150, "metadata": {"Software": None}}),
-                    (pdf, {"metadata": {"CreationDate": None, "Producer": None}})):  # fmt: skip
+    for out, kw in (
+        (png, {"dpi": 150, "metadata": {"Software": None}}),
+        (pdf, {"metadata": {"CreationDate": None, "Producer": None}}),
+    ):
         buf = io.BytesIO()
         fig.savefig(buf, format=out.suffix[1:], **kw)
         write_text_atomic(out, buf.getvalue())

@@ -23,12 +23,17 @@ from analysis.runs import load_summary, results_root
 from harness.runs.prereg import check_prereg
 
 DOSES = {  # dose experiment -> base experiment, β label, in-run mechanism columns (name, label)
-    "nsr_dose": ("nsr_vs_decay", "Gaussian logit-noise σ in μ",
-                 [("rescue_frac", "rescued (in run)"), ("clip_frac_low", "clipped low (in run)")]),
-    "cis_dose": ("cis_vs_tis", "Student-t (ν = 3) logit-noise σ in μ",
-                 [("dial_out_of_band_frac", "out of [0.5, 2] (in run)"),
-                  ("is_ess", "1 − ESS/N (in run)")]),
-}  # fmt: skip
+    "nsr_dose": (
+        "nsr_vs_decay",
+        "Gaussian logit-noise σ in μ",
+        [("rescue_frac", "rescued (in run)"), ("clip_frac_low", "clipped low (in run)")],
+    ),
+    "cis_dose": (
+        "cis_vs_tis",
+        "Student-t (ν = 3) logit-noise σ in μ",
+        [("dial_out_of_band_frac", "out of [0.5, 2] (in run)"), ("is_ess", "1 − ESS/N (in run)")],
+    ),
+}
 
 
 def curve_points(df: pd.DataFrame, prereg: dict) -> pd.DataFrame:
@@ -44,16 +49,21 @@ def curve_points(df: pd.DataFrame, prereg: dict) -> pd.DataFrame:
         for sigma in sorted(df.sigma.unique()):
             res = run_endpoint(
                 endpoint_values(df, {**base, "where": {"sigma": float(sigma)}}),
-                base, prereg["treatment"], prereg["control"],
-            )  # fmt: skip
+                base,
+                prereg["treatment"],
+                prereg["control"],
+            )
             rows.append({"endpoint": name, "sigma": sigma, "spec": base, **res})
     return pd.DataFrame(rows)
 
 
 def mechanism_points(root, exps: list[str], df: pd.DataFrame, arm: str, cols) -> pd.DataFrame:
     """Per σ: the treatment arm's step-0 check (mean over its runs) and in-run shares."""
-    frames = [pd.read_csv(root / e / "mechanism.csv") for e in exps
-              if (root / e / "mechanism.csv").exists()]  # fmt: skip
+    frames = [
+        pd.read_csv(root / e / "mechanism.csv")
+        for e in exps
+        if (root / e / "mechanism.csv").exists()
+    ]
     step0 = ["oob_frac", "neg_low_clip"]
     m = pd.concat(frames) if frames else pd.DataFrame(columns=["arm", "trained", "sigma", *step0])
     m = m[(m.arm == arm) & m.trained.astype(bool)]
@@ -82,8 +92,13 @@ def draw(root, dose: str) -> None:
         ax.errorbar(p.sigma, p["diff"], yerr=[lo, hi], marker="o", capsize=4)
         ax.axhline(0, color="0.3", lw=0.8)
         if spec["test"] == "tost":
-            ax.axhspan(-spec["margin"], spec["margin"], color="0.85", zorder=0,
-                       label=f"equivalence ±{spec['margin']:g}")  # fmt: skip
+            ax.axhspan(
+                -spec["margin"],
+                spec["margin"],
+                color="0.85",
+                zorder=0,
+                label=f"equivalence ±{spec['margin']:g}",
+            )
             ax.legend(loc="best", fontsize=8)
         for _, r in p.iterrows():
             if pd.notna(r.get("p")):
@@ -91,23 +106,38 @@ def draw(root, dose: str) -> None:
                 if spec["test"] == "tost":  # equivalence, and whether a difference resolved
                     d = r.p_difference
                     text = f"TOST p={r.p:.2g}\nΔ≠0 p={d:.2g} {stars(d)}\nn={r.pairs}"
-                ax.annotate(text, (r.sigma, r.ci_hi), textcoords="offset points", xytext=(0, 4),
-                            ha="center", fontsize=7)  # fmt: skip
+                ax.annotate(
+                    text,
+                    (r.sigma, r.ci_hi),
+                    textcoords="offset points",
+                    xytext=(0, 4),
+                    ha="center",
+                    fontsize=7,
+                )
         ci = "90%" if spec["test"] == "tost" else "95%"
-        ax.set(title=f"Δ {name} ({spec['test']}, {ci} CI)", xlabel=xlabel,
-               ylabel=f"{prereg['treatment']} − {prereg['control']}")  # fmt: skip
+        ax.set(
+            title=f"Δ {name} ({spec['test']}, {ci} CI)",
+            xlabel=xlabel,
+            ylabel=f"{prereg['treatment']} − {prereg['control']}",
+        )
         ax.margins(y=0.25)
     ax = axes[-1]
     ax.plot(mech.index, mech.oob_frac, "o-", label="out of [0.5, 2] (step 0)")
     ax.plot(mech.index, mech.neg_low_clip, "s-", label="A<0 below 1−ε (step 0)")
     for col, label in cols:
         ax.plot(mech.index, mech[col], "^--", label=label)
-    ax.set(title=f"Mechanism ({prereg['treatment']} arm)", xlabel=xlabel,
-           ylabel="fraction of tokens", ylim=(0, None))  # fmt: skip
+    ax.set(
+        title=f"Mechanism ({prereg['treatment']} arm)",
+        xlabel=xlabel,
+        ylabel="fraction of tokens",
+        ylim=(0, None),
+    )
     ax.legend(fontsize=8)
     n = df.groupby(["sigma", "arm"]).seed.nunique().groupby("sigma").min()
-    title = (f"{prereg['claim']} ({prereg['source']}): countdown task model; seeds per σ "
-             + ", ".join(f"{s:g}: {k}" for s, k in n.items()))  # fmt: skip
+    title = (
+        f"{prereg['claim']} ({prereg['source']}): countdown task model; seeds per σ "
+        + ", ".join(f"{s:g}: {k}" for s, k in n.items())
+    )
     fig.suptitle("\n".join(textwrap.wrap(title, 150)))
     savefig(fig, root / dose / f"fig_{dose}")
 

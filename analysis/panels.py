@@ -27,9 +27,11 @@ def ci95(x) -> tuple[float, float]:
 
 
 # the in-kind events each column's panel marks on its runs (analysis.events), and their markers
-EVENT_MARKS = {"entropy_mean": (("surge", "^"), ("entropy_guard", "X")),
-               "reward_mean": (("collapse", "v"),),
-               "repetition_terminal_loop_rate": (("loops", "o"),)}  # fmt: skip
+EVENT_MARKS = {
+    "entropy_mean": (("surge", "^"), ("entropy_guard", "X")),
+    "reward_mean": (("collapse", "v"),),
+    "repetition_terminal_loop_rate": (("loops", "o"),),
+}
 
 
 def curve(
@@ -43,8 +45,17 @@ def curve(
     d = df.dropna(subset=[col])
     hue_order = [a for a in order if a in set(d.arm)]
     marker = "o" if col == "eval_acc" else None
-    sns.lineplot(d, x="step", y=col, hue="arm", hue_order=hue_order, errorbar=ci95, ax=ax,
-                 marker=marker, legend=legend)  # fmt: skip
+    sns.lineplot(
+        d,
+        x="step",
+        y=col,
+        hue="arm",
+        hue_order=hue_order,
+        errorbar=ci95,
+        ax=ax,
+        marker=marker,
+        legend=legend,
+    )
     for arm, colour in zip(hue_order, sns.color_palette(n_colors=len(hue_order))):
         for run, g in d[d.arm == arm].groupby("run"):
             ax.plot(g.step, g[col], color=colour, lw=0.6, alpha=0.3, zorder=1)

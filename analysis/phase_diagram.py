@@ -23,13 +23,23 @@ from analysis.runs import load_summary, results_root, share
 
 EXP = "phase_diagram"
 TREATMENT, CONTROL = "π_old := μ (std clip)", "π_old recomputed (std clip)"
-ACC = {"metric": "eval_acc", "reduce": "last_evals", "n": 3, "test": "paired_t",
-       "predicted": "less"}  # fmt: skip
+ACC = {
+    "metric": "eval_acc",
+    "reduce": "last_evals",
+    "n": 3,
+    "test": "paired_t",
+    "predicted": "less",
+}
 
 
 def entropy_ep(steps: int) -> dict:
-    return {"metric": "entropy_mean", "reduce": "window_mean", "test": "paired_t",
-            "window": [max(1, steps - 24), steps], "predicted": "greater"}  # fmt: skip
+    return {
+        "metric": "entropy_mean",
+        "reduce": "window_mean",
+        "test": "paired_t",
+        "window": [max(1, steps - 24), steps],
+        "predicted": "greater",
+    }
 
 
 def cells(df: pd.DataFrame) -> pd.DataFrame:
@@ -77,10 +87,26 @@ def main(argv: list[str] | None = None) -> None:
     acc = {"vmin": 0.0, "vmax": 0.5, "cmap": "viridis"}
     heat(axes[0], c, "acc_" + TREATMENT, TREATMENT, "held-out accuracy", **acc)
     heat(axes[1], c, "acc_" + CONTROL, CONTROL, "held-out accuracy", **acc)
-    heat(axes[2], c, "d_acc", "Δ accuracy (:= μ − recomputed)", "Δ accuracy", "p_acc",
-         cmap="vlag", center=0.0)  # fmt: skip
-    heat(axes[3], c, "d_entropy", "Δ entropy, last 25 steps", "Δ entropy (nats/token)",
-         "p_entropy", cmap="vlag", center=0.0)  # fmt: skip
+    heat(
+        axes[2],
+        c,
+        "d_acc",
+        "Δ accuracy (:= μ − recomputed)",
+        "Δ accuracy",
+        "p_acc",
+        cmap="vlag",
+        center=0.0,
+    )
+    heat(
+        axes[3],
+        c,
+        "d_entropy",
+        "Δ entropy, last 25 steps",
+        "Δ entropy (nats/token)",
+        "p_entropy",
+        cmap="vlag",
+        center=0.0,
+    )
     for ax in axes:
         ax.invert_yaxis()
     n = df.groupby("arm").seed.nunique().min()
@@ -90,8 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     caption = "in-run clipped fraction (low + high), " + "; ".join(
         f"{r.alpha}, σ {r.sigma:g}: := μ {r['clip_' + TREATMENT]:.1%} vs recomputed "
-        f"{r['clip_' + CONTROL]:.1%}" for _, r in c.iterrows()
-    )  # fmt: skip
+        f"{r['clip_' + CONTROL]:.1%}"
+        for _, r in c.iterrows()
+    )
     caption = "\n".join(textwrap.wrap(mechanism_lines(root), 230) + textwrap.wrap(caption, 230))
     fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
     savefig(fig, root / EXP / "fig_phase_diagram", bottom=0.04 + 0.03 * (caption.count("\n") + 1))
@@ -107,8 +134,9 @@ def mechanism_lines(root) -> str:
     return "step-0 check (π_old := μ): " + "; ".join(
         f"σ {s:g}: {r.oob_frac:.1%} out of [0.5, 2] ({share(r.fork_oob_share)} on forks), A<0 "
         f"below 1−ε {r.neg_low_clip:.1%} vs A>0 above 1+ε {r.pos_high_clip:.1%}, μ reward "
-        f"{r.sampler_reward:.3f}" for s, r in m.iterrows()
-    )  # fmt: skip
+        f"{r.sampler_reward:.3f}"
+        for s, r in m.iterrows()
+    )
 
 
 if __name__ == "__main__":

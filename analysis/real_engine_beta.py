@@ -26,8 +26,11 @@ import pandas as pd
 from analysis.common import RESULTS, bin_labels, load_runs, savefig, set_theme, summary
 from harness.base.io import write_text_atomic
 
-SHAPE = [("median/mean", "median / mean |Δ|"), ("top1_share", "top 1% share of Σ|Δ|"),
-         ("corr_conf_abs", "corr(p_t, |Δ|)")]  # fmt: skip
+SHAPE = [
+    ("median/mean", "median / mean |Δ|"),
+    ("top1_share", "top 1% share of Σ|Δ|"),
+    ("corr_conf_abs", "corr(p_t, |Δ|)"),
+]
 MIN_N = 50  # bins with fewer calibration tokens are left out of the range ratios
 
 
@@ -58,19 +61,30 @@ def sources(roots: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
             bins.append(d.assign(source=label))
             stats = t3[t3.run == run].set_index("stat").value
             ok = d[d.n >= MIN_N]
-            rows.append({
-                "source": label, "run": repo_relative(Path(root) / run), "model": s.get("model"),
-                "weights_sha": s.get("weights_sha"), "n_tokens": stats["n_tokens"],
-                "mean": stats["mean"], "median": stats["median"],
-                "median/mean": stats["median"] / stats["mean"], "p99": stats["p99"],
-                "top1_share": stats["top1_share"], "corr_conf_abs": stats["corr_conf_abs"],
-                "fork_mass_share": stats.get("fork_mass_share", np.nan),
-                "identity_cal": s.get("identity_mean_ratio", {}).get("cal"),
-                # fork bin over confident bin: how far each falls across confidence
-                "abs_delta_range": ok.mean_abs_delta.iloc[0] / ok.mean_abs_delta.iloc[-1],
-                "logit_disp_range": ok.mean_abs_logit_disp.iloc[0] / ok.mean_abs_logit_disp.iloc[-1]
-                if "mean_abs_logit_disp" in ok else np.nan,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "source": label,
+                    "run": repo_relative(Path(root) / run),
+                    "model": s.get("model"),
+                    "weights_sha": s.get("weights_sha"),
+                    "n_tokens": stats["n_tokens"],
+                    "mean": stats["mean"],
+                    "median": stats["median"],
+                    "median/mean": stats["median"] / stats["mean"],
+                    "p99": stats["p99"],
+                    "top1_share": stats["top1_share"],
+                    "corr_conf_abs": stats["corr_conf_abs"],
+                    "fork_mass_share": stats.get("fork_mass_share", np.nan),
+                    "identity_cal": s.get("identity_mean_ratio", {}).get("cal"),
+                    # fork bin over confident bin: how far each falls across confidence
+                    "abs_delta_range": ok.mean_abs_delta.iloc[0] / ok.mean_abs_delta.iloc[-1],
+                    "logit_disp_range": (
+                        ok.mean_abs_logit_disp.iloc[0] / ok.mean_abs_logit_disp.iloc[-1]
+                        if "mean_abs_logit_disp" in ok
+                        else np.nan
+                    ),
+                }
+            )
     return pd.concat(bins, ignore_index=True), pd.DataFrame(rows)
 
 
@@ -78,8 +92,12 @@ def main(argv: list[str] | None = None) -> Path | None:
     p = argparse.ArgumentParser()
     p.add_argument("root", nargs="?", default=RESULTS / "real_engine_beta", type=Path)
     p.add_argument("--compare", nargs="*", default=[RESULTS / "measure"], type=Path)
-    p.add_argument("--out", type=Path, default=None, help="folder for the figure and table "
-                   "(default: the first folder)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the figure and table (default: the first folder)",
+    )
     a = p.parse_args(argv)
     out = a.out or a.root
     roots = [a.root, *[c for c in a.compare if (c / "per_bin.csv").exists() or c.is_dir()]]
@@ -96,14 +114,23 @@ def main(argv: list[str] | None = None) -> Path | None:
         axes[0].plot(x, d.mean_abs_delta, "o-", color=f"C{i}", label=src)
         if d.mean_abs_logit_disp.notna().any():
             axes[1].plot(x, d.mean_abs_logit_disp, "o-", color=f"C{i}", label=f"{src}: |ε|")
-            axes[1].plot(x, d.mean_abs_delta, "s--", color=f"C{i}", alpha=0.6,
-                         label=f"{src}: |log k|")  # fmt: skip
+            axes[1].plot(
+                x, d.mean_abs_delta, "s--", color=f"C{i}", alpha=0.6, label=f"{src}: |log k|"
+            )
         for ax in axes[:2]:
             ax.set_xticks(x, bin_labels(d), rotation=30)
-    axes[0].set(yscale="log", xlabel="trainer confidence p_t (bin)", ylabel="mean |Δ log π|",
-                title="β per confidence bin (calibration pass)")  # fmt: skip
-    axes[1].set(yscale="log", xlabel="trainer confidence p_t (bin)", ylabel="mean per token",
-                title="CIS shape: log-odds displacement ε vs |log k|")  # fmt: skip
+    axes[0].set(
+        yscale="log",
+        xlabel="trainer confidence p_t (bin)",
+        ylabel="mean |Δ log π|",
+        title="β per confidence bin (calibration pass)",
+    )
+    axes[1].set(
+        yscale="log",
+        xlabel="trainer confidence p_t (bin)",
+        ylabel="mean per token",
+        title="CIS shape: log-odds displacement ε vs |log k|",
+    )
     w = 0.8 / len(table)
     for i, r in table.iterrows():
         axes[2].bar(np.arange(len(SHAPE)) + i * w, [r[k] for k, _ in SHAPE], w, label=r.source)
@@ -113,8 +140,10 @@ def main(argv: list[str] | None = None) -> Path | None:
     for ax in axes:
         ax.legend(fontsize=7)
     models = ", ".join(sorted({f"{m} ({s})" for m, s in zip(table.model, table.weights_sha)}))
-    fig.suptitle(f"β by source — a real engine or the precision (nothing injected) beside "
-                 f"injected noise: {models}")  # fmt: skip
+    fig.suptitle(
+        f"β by source — a real engine or the precision (nothing injected) beside "
+        f"injected noise: {models}"
+    )
     return savefig(fig, out / "fig_real_engine_beta")
 
 

@@ -25,16 +25,34 @@ from harness.rl.checkpoint import effective, flatten
 
 # metrics.jsonl keys kept in summary.csv ('/' → '_')
 METRICS = [
-    "reward/mean", "eval/acc", "entropy/mean", "response/len", "clip/frac_low", "clip/frac_high",
-    "mask/frac", "rescue/frac", "dial/out_of_band_frac", "dial/mean_abs_delta", "is/weight_mean",
-    "is/ess", "dial/kl_k3", "repetition/terminal_loop_rate", "repetition/rate",
-    "repetition/exit_mass_ratio", "collapse/events", "calib/low", "calib/high",
+    "reward/mean",
+    "eval/acc",
+    "entropy/mean",
+    "response/len",
+    "clip/frac_low",
+    "clip/frac_high",
+    "mask/frac",
+    "rescue/frac",
+    "dial/out_of_band_frac",
+    "dial/mean_abs_delta",
+    "is/weight_mean",
+    "is/ess",
+    "dial/kl_k3",
+    "repetition/terminal_loop_rate",
+    "repetition/rate",
+    "repetition/exit_mass_ratio",
+    "collapse/events",
+    "calib/low",
+    "calib/high",
     "time/step_s",
     # OPSD: R and the student's entropy at copy positions (continuing a repeated segment) and at
     # the other response positions; the copy positions' share of the response tokens
-    "repetition/copy_exit_mass_ratio", "repetition/noncopy_exit_mass_ratio",
-    "repetition/copy_entropy", "repetition/noncopy_entropy", "repetition/copy_frac",
-]  # fmt: skip
+    "repetition/copy_exit_mass_ratio",
+    "repetition/noncopy_exit_mass_ratio",
+    "repetition/copy_entropy",
+    "repetition/noncopy_entropy",
+    "repetition/copy_frac",
+]
 
 
 def results_root(argv: list[str] | None = None) -> Path:
@@ -164,15 +182,23 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
         if m.empty:
             continue
         m = m.reindex(columns=["step", *METRICS]).rename(columns=lambda c: c.replace("/", "_"))
-        frames.append(m.assign(
-            run=run.name, arm=arm_label(exp, cfg), seed=cfg["seed"],
-            objective=cfg["objective"]["name"],
-            noise=noise["name"], sigma=noise.get("sigma"),
-            staleness=cfg["alpha"]["staleness"], minibatches=cfg["alpha"].get("minibatches"),
-            lr=cfg.get("optim", {}).get("lr"), logp_old_source=cfg["engine"]["logp_old_source"],
-            steps=cfg["steps"], weights_sha=model.get("weights_sha"),
-            recipe_hash=model.get("recipe_hash"),
-        ))  # fmt: skip
+        frames.append(
+            m.assign(
+                run=run.name,
+                arm=arm_label(exp, cfg),
+                seed=cfg["seed"],
+                objective=cfg["objective"]["name"],
+                noise=noise["name"],
+                sigma=noise.get("sigma"),
+                staleness=cfg["alpha"]["staleness"],
+                minibatches=cfg["alpha"].get("minibatches"),
+                lr=cfg.get("optim", {}).get("lr"),
+                logp_old_source=cfg["engine"]["logp_old_source"],
+                steps=cfg["steps"],
+                weights_sha=model.get("weights_sha"),
+                recipe_hash=model.get("recipe_hash"),
+            )
+        )
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
@@ -221,9 +247,21 @@ def config_problems(root: Path, exp: str) -> list[str]:
     return problems
 
 
-MECHANISM = ["mean_abs_delta", "oob_frac", "fork_oob_share", "fork_frac", "forks_deleted",
-             "neg_low_clip", "pos_high_clip", "sampler_reward", "n_tokens",
-             "teacher_acc", "student_acc", "teacher_ref_logp", "student_ref_logp"]  # fmt: skip
+MECHANISM = [
+    "mean_abs_delta",
+    "oob_frac",
+    "fork_oob_share",
+    "fork_frac",
+    "forks_deleted",
+    "neg_low_clip",
+    "pos_high_clip",
+    "sampler_reward",
+    "n_tokens",
+    "teacher_acc",
+    "student_acc",
+    "teacher_ref_logp",
+    "student_ref_logp",
+]
 
 
 def load_mechanism(root: Path, exp: str) -> pd.DataFrame:
@@ -235,13 +273,20 @@ def load_mechanism(root: Path, exp: str) -> pd.DataFrame:
         cfg = yaml.safe_load((path.parent / "config.yaml").read_text())
         m = json.loads(path.read_text())
         noise = noise_node(cfg)
-        rows.append({
-            "run": path.parent.name, "arm": arm_label(exp, cfg), "seed": cfg["seed"],
-            "noise": noise["name"], "sigma": noise.get("sigma"), "nu": noise.get("nu"),
-            "fmt": noise.get("fmt"), "activations": noise.get("activations"),
-            "trained": (path.parent / "metrics.jsonl").exists(),
-            **{k: m.get(k) for k in MECHANISM},
-        })  # fmt: skip
+        rows.append(
+            {
+                "run": path.parent.name,
+                "arm": arm_label(exp, cfg),
+                "seed": cfg["seed"],
+                "noise": noise["name"],
+                "sigma": noise.get("sigma"),
+                "nu": noise.get("nu"),
+                "fmt": noise.get("fmt"),
+                "activations": noise.get("activations"),
+                "trained": (path.parent / "metrics.jsonl").exists(),
+                **{k: m.get(k) for k in MECHANISM},
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -319,8 +364,10 @@ def load_prereg(root: Path, exp: str) -> dict:
     latest = max(versions, key=len)
     if any(any(k not in latest or latest[k] != v for k, v in p.items()) for p in versions):
         groups = "; ".join(f"{len(v)} runs like {v[0]}" for v in seen.values())
-        raise ValueError(f"{root / exp}: runs made under different pre-registrations ({groups}); "
-                         "move the stale runs out before summarising")  # fmt: skip
+        raise ValueError(
+            f"{root / exp}: runs made under different pre-registrations ({groups}); "
+            "move the stale runs out before summarising"
+        )
     return latest
 
 
@@ -362,8 +409,10 @@ def weights_problems(df: pd.DataFrame) -> list[str]:
             and recipe in manifest
             and manifest[recipe]["weights_sha"] != sha
         ):
-            out.append(f"runs of recipe {recipe} used weights {sha}, not the shipped "
-                       f"{manifest.get(recipe, {}).get('weights_sha')}")  # fmt: skip
+            out.append(
+                f"runs of recipe {recipe} used weights {sha}, not the shipped "
+                f"{manifest.get(recipe, {}).get('weights_sha')}"
+            )
     return out
 
 

@@ -84,13 +84,20 @@ def main(root: str | Path = RESULTS / "snr_table") -> Path | None:
         xs = np.arange(len(d)) + (j - (len(runs) - 1) / 2) * step
         who = f"{k}: " if len(kinds) > 1 else ""
         for col, style, what in (("snr_est", "o-", "estimated"), ("snr_true", "s--", "true")):
-            bx.plot(xs, d[col].clip(lower=FLOOR), style, color=f"C{i}", ms=4,
-                    label=f"{who}{what}" if first else None)  # fmt: skip
+            bx.plot(
+                xs,
+                d[col].clip(lower=FLOOR),
+                style,
+                color=f"C{i}",
+                ms=4,
+                label=f"{who}{what}" if first else None,
+            )
         if "snr_est_lo" in d and d.snr_est_lo.notna().any():  # the estimate's 95% interval
             y = d.snr_est.clip(lower=FLOOR)
             lo, hi = d.snr_est_lo.clip(lower=FLOOR), d.snr_est_hi.clip(lower=FLOOR)
-            bx.errorbar(xs, y, yerr=[y - lo, hi - y], fmt="none", ecolor=f"C{i}", capsize=2,
-                        alpha=0.5)  # fmt: skip
+            bx.errorbar(
+                xs, y, yerr=[y - lo, hi - y], fmt="none", ecolor=f"C{i}", capsize=2, alpha=0.5
+            )
         bx.set_xticks(np.arange(len(d)), bin_labels(d), rotation=30)
     bx.set(
         yscale="log",

@@ -83,9 +83,16 @@ def paired_t(x, y, level: float = 0.95) -> dict[str, float]:
     greater = t_sf(t, n - 1) if math.isfinite(t) else float(t < 0)
     less = 1.0 - greater if math.isfinite(t) else float(t > 0)
     return {
-        "diff": mean, "ci_lo": mean - half, "ci_hi": mean + half, "t": t, "df": n - 1, "n": n,
-        "p": min(1.0, 2 * min(greater, less)), "p_greater": greater, "p_less": less,
-    }  # fmt: skip
+        "diff": mean,
+        "ci_lo": mean - half,
+        "ci_hi": mean + half,
+        "t": t,
+        "df": n - 1,
+        "n": n,
+        "p": min(1.0, 2 * min(greater, less)),
+        "p_greater": greater,
+        "p_less": less,
+    }
 
 
 def tost(x, y, margin: float, alpha: float = 0.05) -> dict[str, float]:
@@ -96,9 +103,13 @@ def tost(x, y, margin: float, alpha: float = 0.05) -> dict[str, float]:
     upper = paired_t(d - margin, np.zeros_like(d))  # H0: diff >= +margin
     ci = paired_t(d, np.zeros_like(d), level=1 - 2 * alpha)
     return {
-        "diff": ci["diff"], "ci_lo": ci["ci_lo"], "ci_hi": ci["ci_hi"], "n": ci["n"],
-        "margin": margin, "p": max(lower["p_greater"], upper["p_less"]),
-    }  # fmt: skip
+        "diff": ci["diff"],
+        "ci_lo": ci["ci_lo"],
+        "ci_hi": ci["ci_hi"],
+        "n": ci["n"],
+        "margin": margin,
+        "p": max(lower["p_greater"], upper["p_less"]),
+    }
 
 
 def fisher_exact(a: int, b: int, c: int, d: int) -> dict[str, float]:
@@ -114,10 +125,14 @@ def fisher_exact(a: int, b: int, c: int, d: int) -> dict[str, float]:
     observed = prob[a]
     two = sum(p for p in prob.values() if p <= observed * (1 + 1e-9))
     return {
-        "events_treatment": a, "n_treatment": row1, "events_control": c, "n_control": c + d,
-        "p": min(1.0, two), "p_greater": sum(p for k, p in prob.items() if k >= a),
+        "events_treatment": a,
+        "n_treatment": row1,
+        "events_control": c,
+        "n_control": c + d,
+        "p": min(1.0, two),
+        "p_greater": sum(p for k, p in prob.items() if k >= a),
         "p_less": sum(p for k, p in prob.items() if k <= a),
-    }  # fmt: skip
+    }
 
 
 # --- multiplicity and power ----------------------------------------------------------------------

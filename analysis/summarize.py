@@ -39,8 +39,10 @@ def refusals(root: Path, exp: str, df: pd.DataFrame) -> list[str]:
     if out.exists():
         dropped = sorted(set(pd.read_csv(out, usecols=["run"]).run) - set(df.run))
         if dropped:
-            problems.append(f"{out} holds {len(dropped)} runs that have no run folder here "
-                            f"(e.g. {dropped[0]}): the new summary would drop them")  # fmt: skip
+            problems.append(
+                f"{out} holds {len(dropped)} runs that have no run folder here "
+                f"(e.g. {dropped[0]}): the new summary would drop them"
+            )
     return problems
 
 
@@ -59,9 +61,11 @@ def main(argv: list[str] | None = None) -> None:
             continue
         problems = refusals(root, exp, df)
         if problems and not force:
-            raise SystemExit(f"[summarize] {exp}: refused, nothing written:\n  - "
-                             + "\n  - ".join(problems) + "\nMove the stray runs out, or "
-                             "pass force=true to write the summary anyway.")  # fmt: skip
+            raise SystemExit(
+                f"[summarize] {exp}: refused, nothing written:\n  - "
+                + "\n  - ".join(problems)
+                + "\nMove the stray runs out, or pass force=true to write the summary anyway."
+            )
         mech = load_mechanism(root, exp)
         if not mech.empty:
             csv = mech.to_csv(index=False, float_format="%.5g")

@@ -237,9 +237,16 @@ class CudaProbe:
 
 
 def run_point(
-    model, tok, *, rows: int, tokens: int, prompt: int, micro_batch_tokens: int | None,
-    checkpointing: bool, probe,
-) -> dict:  # fmt: skip
+    model,
+    tok,
+    *,
+    rows: int,
+    tokens: int,
+    prompt: int,
+    micro_batch_tokens: int | None,
+    checkpointing: bool,
+    probe,
+) -> dict:
     """One measured `harness.rl.step.update` of `model` after a warm-up update (the model is left
     with its gradients released): baseline and peak bytes, peak − baseline, seconds and the
     number of micro-batches."""
@@ -277,10 +284,15 @@ def run_point(
     if skipped or not metrics:
         raise RuntimeError("the measured update was skipped (non-finite loss or gradient)")
     return {
-        "positions": rows * (prompt + tokens), "response_tokens": rows * tokens,
-        "micro_batches": parts, "baseline_mb": base / MB, "peak_mb": peak / MB,
-        "delta_mb": (peak - base) / MB, "update_s": seconds, "hwm_reset": probe.hwm_reset,
-    }  # fmt: skip
+        "positions": rows * (prompt + tokens),
+        "response_tokens": rows * tokens,
+        "micro_batches": parts,
+        "baseline_mb": base / MB,
+        "peak_mb": peak / MB,
+        "delta_mb": (peak - base) / MB,
+        "update_s": seconds,
+        "hwm_reset": probe.hwm_reset,
+    }
 
 
 def child(spec: dict) -> dict:
@@ -291,10 +303,15 @@ def child(spec: dict) -> dict:
     torch.manual_seed(0)
     model, tok = load_as(spec["model"], spec["layers"], spec["dtype"], "cpu")
     return run_point(
-        model, tok, rows=spec["rows"], tokens=spec["tokens"], prompt=spec["prompt"],
-        micro_batch_tokens=spec["micro_batch_tokens"], checkpointing=spec["checkpointing"],
+        model,
+        tok,
+        rows=spec["rows"],
+        tokens=spec["tokens"],
+        prompt=spec["prompt"],
+        micro_batch_tokens=spec["micro_batch_tokens"],
+        checkpointing=spec["checkpointing"],
         probe=RssProbe(),
-    )  # fmt: skip
+    )
 
 
 def child_env(threads: int) -> dict:
@@ -312,9 +329,12 @@ def run_cpu_point(spec: dict, timeout: float) -> dict:
     """`child(spec)` in a fresh subprocess: its result, or {"error": why}."""
     try:
         p = run_module(
-            "benchmarks.bench_memory", "--child", json.dumps(spec), timeout=timeout,
+            "benchmarks.bench_memory",
+            "--child",
+            json.dumps(spec),
+            timeout=timeout,
             env=child_env(spec["threads"]),
-        )  # fmt: skip
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s (--point-timeout)"}
     if p.returncode != 0:
@@ -369,14 +389,21 @@ def growth(points: list[dict], mode: str) -> list[dict]:
             continue
         lo, hi = sel[0], sel[-1]
         g = hi["delta_mb"] / lo["delta_mb"] - 1
-        out.append({
-            "mode": mode, "tokens": t, "rows_from": lo["rows"], "rows_to": hi["rows"],
-            "micro_batches_from": lo["micro_batches"], "micro_batches_to": hi["micro_batches"],
-            "growth": g, "pass": g <= TARGET_GROWTH,
-            # the same rows per micro-batch at both ends (else the fewer rows' last micro-batch
-            # may be a partial one, and its peak below the bound the target is about)
-            "alike": lo["rows"] * hi["micro_batches"] == hi["rows"] * lo["micro_batches"],
-        })  # fmt: skip
+        out.append(
+            {
+                "mode": mode,
+                "tokens": t,
+                "rows_from": lo["rows"],
+                "rows_to": hi["rows"],
+                "micro_batches_from": lo["micro_batches"],
+                "micro_batches_to": hi["micro_batches"],
+                "growth": g,
+                "pass": g <= TARGET_GROWTH,
+                # the same rows per micro-batch at both ends (else the fewer rows' last micro-batch
+                # may be a partial one, and its peak below the bound the target is about)
+                "alike": lo["rows"] * hi["micro_batches"] == hi["rows"] * lo["micro_batches"],
+            }
+        )
     return out
 
 
@@ -386,25 +413,40 @@ def report(points: list[dict], args, meta: dict) -> dict:
     from harness.sampling.logprobs import DEFAULT_CHUNK
 
     grad_bytes = meta["params"] * {"fp32": 4, "bf16": 2}[args.dtype]
-    fits = {m: fit_bytes([p for p in points if p["mode"] == m], DEFAULT_CHUNK, grad_bytes)
-            for m in ("full", "ckpt")}  # fmt: skip
+    fits = {
+        m: fit_bytes([p for p in points if p["mode"] == m], DEFAULT_CHUNK, grad_bytes)
+        for m in ("full", "ckpt")
+    }
     return {
-        "command": meta["command"], "date": meta["date"], "model": args.model,
-        "dtype": args.dtype, "device": args.device, "micro_batch_tokens": args.micro_batch_tokens,
-        "prompt": args.prompt, "chunk": DEFAULT_CHUNK, "threads": args.threads,
-        "jobs": args.jobs, "model_config": meta["config"], "params": meta["params"],
-        "grad_bytes": grad_bytes, "target_growth": TARGET_GROWTH, "fits": fits,
+        "command": meta["command"],
+        "date": meta["date"],
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "prompt": args.prompt,
+        "chunk": DEFAULT_CHUNK,
+        "threads": args.threads,
+        "jobs": args.jobs,
+        "model_config": meta["config"],
+        "params": meta["params"],
+        "grad_bytes": grad_bytes,
+        "target_growth": TARGET_GROWTH,
+        "fits": fits,
         "growth": [g for m in MODES for g in growth(points, m)],
-        "points": sorted(points, key=lambda p: (list(MODES).index(p["mode"]), p["tokens"],
-                                                 p["rows"])),
+        "points": sorted(
+            points, key=lambda p: (list(MODES).index(p["mode"]), p["tokens"], p["rows"])
+        ),
         "machine": {
-            "python": platform.python_version(), "torch": torch.__version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
             "transformers": __import__("transformers").__version__,
-            "cpu": cpu(), "nproc": os.cpu_count(),
+            "cpu": cpu(),
+            "nproc": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
         },
         "wall_s": meta.get("wall_s"),
-    }  # fmt: skip
+    }
 
 
 def format_grid(rep: dict) -> str:
@@ -414,14 +456,17 @@ def format_grid(rep: dict) -> str:
     tokens = sorted({p["tokens"] for p in points})
     lines = []
     for mode in [m for m in MODES if any(p["mode"] == m for p in points)]:
-        lines.append(f"\n{mode}: peak − baseline, MB (rows × response tokens; {rep['prompt']} "
-                     f"prompt tokens per row)")  # fmt: skip
+        lines.append(
+            f"\n{mode}: peak − baseline, MB (rows × response tokens; {rep['prompt']} "
+            f"prompt tokens per row)"
+        )
         lines.append(f"{'rows':>6} | " + " | ".join(f"{t:>7}" for t in tokens))
         for r in rows:
             cells = []
             for t in tokens:
-                p = next((p for p in points if (p["mode"], p["rows"], p["tokens"]) == (mode, r, t)),
-                         None)  # fmt: skip
+                p = next(
+                    (p for p in points if (p["mode"], p["rows"], p["tokens"]) == (mode, r, t)), None
+                )
                 cell = "—" if p is None else "error" if "error" in p else round(p["delta_mb"])
                 cells.append(f"{cell:>7}")
             lines.append(f"{r:>6} | " + " | ".join(cells))
@@ -429,18 +474,23 @@ def format_grid(rep: dict) -> str:
 
 
 def format_summary(rep: dict) -> str:
-    lines = [f"\ngrowth of peak − baseline from the fewest to the most rows (target ≤ "
-             f"{rep['target_growth']:.0%} for the micro-batched modes, "
-             f"{rep['micro_batch_tokens']}-token micro-batches):"]  # fmt: skip
+    lines = [
+        f"\ngrowth of peak − baseline from the fewest to the most rows (target ≤ "
+        f"{rep['target_growth']:.0%} for the micro-batched modes, "
+        f"{rep['micro_batch_tokens']}-token micro-batches):"
+    ]
     for g in rep["growth"]:
         verdict = ("PASS" if g["pass"] else "FAIL") if g["mode"].startswith("mb") else "(no target)"
         lines.append(
             f"  {g['mode']:>8}, {g['tokens']:>4} tokens: {g['rows_from']} → {g['rows_to']} rows "
             f"({g['micro_batches_from']} → {g['micro_batches_to']} micro-batches) "
             f"{g['growth']:+8.1%}  {verdict}"
-            + ("" if g["alike"] or not g["mode"].startswith("mb") else
-               "  (micro-batches unlike: see the module docstring)")
-        )  # fmt: skip
+            + (
+                ""
+                if g["alike"] or not g["mode"].startswith("mb")
+                else "  (micro-batches unlike: see the module docstring)"
+            )
+        )
     lines.append(f"bytes per token (gradients: {rep['grad_bytes'] / MB:.0f} MB):")
     for mode, f in rep["fits"].items():
         if f is None:
@@ -542,9 +592,16 @@ def logit_bytes(fits: dict, a: dict, ref: dict, scored: int, chunk: int) -> floa
     return min(scored, chunk) * c * a["vocab"] / ref["vocab"] + 4 * a["vocab"] * a["hidden"]
 
 
-def memory_table(rep: dict, rows: int = 32, tokens=(1024, 4096, 16384), gpu_gib: float = 80,
-                 reserve: float = 0.10, micro_tokens: int | None = None,
-                 max_ranks: int = 64, models: dict | None = None) -> list[dict]:  # fmt: skip
+def memory_table(
+    rep: dict,
+    rows: int = 32,
+    tokens=(1024, 4096, 16384),
+    gpu_gib: float = 80,
+    reserve: float = 0.10,
+    micro_tokens: int | None = None,
+    max_ranks: int = 64,
+    models: dict | None = None,
+) -> list[dict]:
     """Memory per GPU of a bf16 trainer (fp32 master weights, AdamW) and its bf16 sampler copy at
     `rows` rows of `tokens` tokens each (prompt included), from a CPU fp32 bench_memory report
     `rep` (its `fits`). One dict per (model, tokens), in GiB:
@@ -595,8 +652,9 @@ def memory_table(rep: dict, rows: int = 32, tokens=(1024, 4096, 16384), gpu_gib:
             static = {"weights": 2 * P, "master": 4 * P, "grads": 2 * P, "adam": 8 * P}
             sampler = 2 * P
             acts = {m: act(rows, MODES[m][1], MODES[m][0]) for m in MODES}
-            peaks = {m: sum(static.values()) + sampler + max(acts[m], 4 * P, kv(rows))
-                     for m in MODES}  # fmt: skip
+            peaks = {
+                m: sum(static.values()) + sampler + max(acts[m], 4 * P, kv(rows)) for m in MODES
+            }
             in_flight = P / L * (2 * 2 + 4)
 
             def world(with_sampler, in_flight=in_flight, kv=kv, act=act, P=P, static=static):
@@ -609,21 +667,29 @@ def memory_table(rep: dict, rows: int = 32, tokens=(1024, 4096, 16384), gpu_gib:
                         return w
                 return None
 
-            out.append({
-                "model": name, "rows": rows, "tokens": T, "micro_tokens": mb,
-                **{k: v / GIB for k, v in static.items()},
-                "sampler": sampler / GIB, "kv_cache": kv(rows) / GIB,
-                **{f"act_{m}": v / GIB for m, v in acts.items()},
-                **{f"peak_{m}": v / GIB for m, v in peaks.items()},
-                "fits_one": [m for m in MODES if peaks[m] <= usable],
-                "ranks": world(True), "ranks_sampler_elsewhere": world(False),
-                "max_ranks": max_ranks,
-            })  # fmt: skip
+            out.append(
+                {
+                    "model": name,
+                    "rows": rows,
+                    "tokens": T,
+                    "micro_tokens": mb,
+                    **{k: v / GIB for k, v in static.items()},
+                    "sampler": sampler / GIB,
+                    "kv_cache": kv(rows) / GIB,
+                    **{f"act_{m}": v / GIB for m, v in acts.items()},
+                    **{f"peak_{m}": v / GIB for m, v in peaks.items()},
+                    "fits_one": [m for m in MODES if peaks[m] <= usable],
+                    "ranks": world(True),
+                    "ranks_sampler_elsewhere": world(False),
+                    "max_ranks": max_ranks,
+                }
+            )
     return out
 
 
-def largest_micro_batch(rep: dict, model: str, gpu_gib: float = 80, reserve: float = 0.10,
-                        checkpointing: bool = False) -> int | None:  # fmt: skip
+def largest_micro_batch(
+    rep: dict, model: str, gpu_gib: float = 80, reserve: float = 0.10, checkpointing: bool = False
+) -> int | None:
     """The largest engine.micro_batch_tokens (a power of two) at which `model`'s update fits one
     GPU (`memory_table`'s accounting: static + sampler + max(one micro-batch's activations, the
     fp32 gradient copy) ≤ (1 − reserve) · gpu_gib); None if not even 1024 tokens fit."""
@@ -680,8 +746,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--rows", default=None, help=f"rows per update ({DEFAULT_GRID['rows']})")
-    ap.add_argument("--tokens", default=None,
-                    help=f"response tokens per row ({DEFAULT_GRID['tokens']})")  # fmt: skip
+    ap.add_argument(
+        "--tokens", default=None, help=f"response tokens per row ({DEFAULT_GRID['tokens']})"
+    )
     ap.add_argument(
         "--big",
         action="store_true",
@@ -689,8 +756,12 @@ def main() -> None:
         "GPU: its largest one-pass point holds ~90 GB of fp32 activations, ~45 GB in bf16)",
     )
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per row (16)")
-    ap.add_argument("--micro-batch-tokens", type=int, default=128,
-                    help="engine.micro_batch_tokens of the mb modes (128)")  # fmt: skip
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=128,
+        help="engine.micro_batch_tokens of the mb modes (128)",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help=f"a subset of {','.join(MODES)}")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per point (1)")
     ap.add_argument(
@@ -701,8 +772,11 @@ def main() -> None:
     )
     ap.add_argument("--point-timeout", type=float, default=1800, help="seconds per CPU point")
     ap.add_argument("--out", default=None, help="the JSON (default results/bench_memory/...)")
-    ap.add_argument("--table", action="store_true",
-                    help="print the per-model table from the JSON (--out) and exit")  # fmt: skip
+    ap.add_argument(
+        "--table",
+        action="store_true",
+        help="print the per-model table from the JSON (--out) and exit",
+    )
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(json.loads(a.child))))
@@ -714,14 +788,20 @@ def main() -> None:
         rep = json.loads(out.read_text())
         ref, cfg = ARCH[REFERENCE], rep.get("model_config") or {}
         if (cfg.get("num_hidden_layers"), cfg.get("hidden_size")) != (ref["layers"], ref["hidden"]):
-            raise SystemExit(f"--table: {out} is not of SmolLM2-135M's architecture (30 layers, "
-                             f"hidden 576), which the scaling rule is calibrated on")  # fmt: skip
+            raise SystemExit(
+                f"--table: {out} is not of SmolLM2-135M's architecture (30 layers, "
+                f"hidden 576), which the scaling rule is calibrated on"
+            )
         if not (rep["fits"].get("full") and rep["fits"].get("ckpt")):
-            raise SystemExit(f"--table: {out} has no full and ckpt fits: run both modes on "
-                             f"at least two row counts")  # fmt: skip
+            raise SystemExit(
+                f"--table: {out} has no full and ckpt fits: run both modes on "
+                f"at least two row counts"
+            )
         print(format_table(memory_table(rep)))
-        print("\nlargest engine.micro_batch_tokens (a power of two) that fits one 80 GB GPU, "
-              "without / with activation checkpointing:")  # fmt: skip
+        print(
+            "\nlargest engine.micro_batch_tokens (a power of two) that fits one 80 GB GPU, "
+            "without / with activation checkpointing:"
+        )
         for name in ARCH:
             if name != REFERENCE:
                 sizes = [largest_micro_batch(rep, name, checkpointing=c) for c in (False, True)]
@@ -737,7 +817,7 @@ def main() -> None:
         ("--jobs", a.jobs),
     ):
         if v < 1:
-            raise SystemExit(f"{flag}={v}: must be >= 1")  # fmt: skip
+            raise SystemExit(f"{flag}={v}: must be >= 1")
     grid = BIG_GRID if a.big else DEFAULT_GRID
     rows = parse_ints(a.rows or grid["rows"], "--rows")
     tokens = parse_ints(a.tokens or grid["tokens"], "--tokens")
@@ -759,10 +839,19 @@ def main() -> None:
         "command": command(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "params": sum(p.numel() for p in base.parameters()),
-        "config": {k: getattr(base.config, k, None) for k in (
-            "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-            "num_key_value_heads", "vocab_size", "tie_word_embeddings")},
-    }  # fmt: skip
+        "config": {
+            k: getattr(base.config, k, None)
+            for k in (
+                "num_hidden_layers",
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+                "tie_word_embeddings",
+            )
+        },
+    }
     if a.device == "cpu":
         del base  # each point loads its own copy in its own process
         gc.collect()
@@ -789,18 +878,30 @@ def main() -> None:
             what = f"ERROR {res['error']}"
         else:
             n = res["micro_batches"]
-            what = (f"+{res['delta_mb']:.0f} MB ({n} micro-batch{'es' if n > 1 else ''}, update "
-                    f"{res['update_s']:.0f} s)")  # fmt: skip
-        print(f"[{len(points)}/{len(specs)}] {s['mode']:>8} {s['rows']:>4} rows × "
-              f"{s['tokens']:>4} tokens: {what}; {wall:.0f} s, "
-              f"{time.perf_counter() - t_all:.0f} s in all", flush=True)  # fmt: skip
+            what = (
+                f"+{res['delta_mb']:.0f} MB ({n} micro-batch{'es' if n > 1 else ''}, update "
+                f"{res['update_s']:.0f} s)"
+            )
+        print(
+            f"[{len(points)}/{len(specs)}] {s['mode']:>8} {s['rows']:>4} rows × "
+            f"{s['tokens']:>4} tokens: {what}; {wall:.0f} s, "
+            f"{time.perf_counter() - t_all:.0f} s in all",
+            flush=True,
+        )
         write_json(out, report(points, a, meta))
 
     def spec_of(s: dict) -> dict:
         micro, ckpt = MODES[s["mode"]]
-        return {**s, "model": a.model, "layers": a.layers, "dtype": a.dtype,
-                "prompt": a.prompt, "threads": a.threads, "checkpointing": ckpt,
-                "micro_batch_tokens": a.micro_batch_tokens if micro else None}  # fmt: skip
+        return {
+            **s,
+            "model": a.model,
+            "layers": a.layers,
+            "dtype": a.dtype,
+            "prompt": a.prompt,
+            "threads": a.threads,
+            "checkpointing": ckpt,
+            "micro_batch_tokens": a.micro_batch_tokens if micro else None,
+        }
 
     if a.device == "cpu":
 
@@ -821,10 +922,15 @@ def main() -> None:
             model = copy.deepcopy(base).to(device=dev, dtype=resolve_dtype(a.dtype))
             try:
                 res = run_point(
-                    model, tok, rows=s["rows"], tokens=s["tokens"], prompt=a.prompt,
+                    model,
+                    tok,
+                    rows=s["rows"],
+                    tokens=s["tokens"],
+                    prompt=a.prompt,
                     micro_batch_tokens=spec["micro_batch_tokens"],
-                    checkpointing=spec["checkpointing"], probe=CudaProbe(dev),
-                )  # fmt: skip
+                    checkpointing=spec["checkpointing"],
+                    probe=CudaProbe(dev),
+                )
             except torch.cuda.OutOfMemoryError as e:
                 res = {"error": f"CUDA out of memory: {str(e).splitlines()[0]}"}
             del model

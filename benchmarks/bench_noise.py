@@ -65,8 +65,10 @@ def report(title: str, times: dict[str, list[float]], base: str, out: dict) -> N
     for k, v in times.items():
         r = spread(ratios(v, times[base]))
         rows[k] = {"median_ms": statistics.median(v) * 1e3, **{f"ratio_{s}": r[s] for s in r}}
-        print(f"  {k:28s} {rows[k]['median_ms']:9.1f} ms   "
-              f"{r['min']:5.2f} / {r['median']:5.2f} / {r['max']:5.2f}x")  # fmt: skip
+        print(
+            f"  {k:28s} {rows[k]['median_ms']:9.1f} ms   "
+            f"{r['min']:5.2f} / {r['median']:5.2f} / {r['max']:5.2f}x"
+        )
     out[title] = rows
 
 

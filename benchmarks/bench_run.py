@@ -26,12 +26,23 @@ def start(cwd: Path, out: Path, steps: int, seed: int, threads: int) -> subproce
     # eval_n=256, 24 tokens, no mechanism check: settings an earlier revision runs too (it may
     # lack the fixed 512-problem eval set, the task's own token budget, mechanism.json), so both
     # sides do the same work
-    cmd = [sys.executable, "-m", "harness.train", "task=countdown", f"steps={steps}",
-           f"seed={seed}", "eval_n=256", "rollout.max_new_tokens=24", "++mechanism_batches=0",
-           "progress=false", f"out={out}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness.train",
+        "task=countdown",
+        f"steps={steps}",
+        f"seed={seed}",
+        "eval_n=256",
+        "rollout.max_new_tokens=24",
+        "++mechanism_batches=0",
+        "progress=false",
+        f"out={out}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(cwd)}
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def metrics(run: Path) -> list[dict]:
@@ -43,8 +54,9 @@ def same(a: list[dict], b: list[dict]) -> bool:
     def eq(x, y):
         return x == y or (x != x and y != y)  # NaN == NaN
 
-    return len(a) == len(b) and all(r.keys() == q.keys() and all(eq(r[k], q[k]) for k in r)
-                                    for r, q in zip(a, b))  # fmt: skip
+    return len(a) == len(b) and all(
+        r.keys() == q.keys() and all(eq(r[k], q[k]) for k in r) for r, q in zip(a, b)
+    )
 
 
 def main() -> None:
@@ -56,15 +68,29 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/bench/run.json")
     a = ap.parse_args()
-    rev = subprocess.run(["git", "rev-parse", "--short", a.before], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.strip()  # fmt: skip
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", a.before],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT,
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), rev],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         try:
             for i in range(a.pairs):
                 outs = {"before": Path(tmp) / f"{i}-before", "after": Path(tmp) / f"{i}-after"}
@@ -81,9 +107,11 @@ def main() -> None:
                                 raise SystemExit(f"{k} run failed:\n{p.stderr.read()[-3000:]}")
                             wall[k] = time.perf_counter() - t0
                     time.sleep(0.2)
-                row = {**wall, "ratio_after_over_before": wall["after"] / wall["before"],
-                       "metrics_identical": same(metrics(outs["before"]),
-                                                 metrics(outs["after"]))}  # fmt: skip
+                row = {
+                    **wall,
+                    "ratio_after_over_before": wall["after"] / wall["before"],
+                    "metrics_identical": same(metrics(outs["before"]), metrics(outs["after"])),
+                }
                 pairs.append(row)
                 print(
                     f"pair {i}: before ({rev}) {wall['before']:.1f} s, after ({head}) "
@@ -101,7 +129,7 @@ def main() -> None:
             " + working tree"
             if subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode
             else ""
-        ),  # fmt: skip
+        ),
         "run": f"python -m harness.train task=countdown steps={a.steps} seed={a.seed} eval_n=256 "
         "rollout.max_new_tokens=24 ++mechanism_batches=0",
         "threads": a.threads,

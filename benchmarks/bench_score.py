@@ -74,8 +74,8 @@ def main() -> None:
         return
 
     def run(variant: str, _round: int, grad: bool) -> dict:
-        args = ["--child", variant, "--model", a.model, "--batch", str(a.batch),
-                "--tokens", str(a.tokens)] + (["--grad"] if grad else [])  # fmt: skip
+        args = ["--child", variant, "--model", a.model, "--batch", str(a.batch)]
+        args += ["--tokens", str(a.tokens)] + (["--grad"] if grad else [])
         return last_json(run_module("benchmarks.bench_score", *args, check=True).stdout)
 
     # interleaved A/B, one pair per round: each variant's results by round

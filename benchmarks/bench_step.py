@@ -151,9 +151,15 @@ class RatiolabStep:
         t1 = time.perf_counter()
         rows = torch.arange(ro.response_ids.shape[0])
         update(
-            self.trainer, self.objective, batch, ro, [(rows, 0)], self.opt, CLIP,
+            self.trainer,
+            self.objective,
+            batch,
+            ro,
+            [(rows, 0)],
+            self.opt,
+            CLIP,
             on_step=lambda: self.history.push(self.model),
-        )  # fmt: skip
+        )
         t["update"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         self.sampler.load_weights_from_state(self.history.behaviour())

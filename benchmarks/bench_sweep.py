@@ -25,11 +25,19 @@ from hydra_plugins.ratiolab_launcher import cores as launcher_cores
 def sweep(n_jobs: int, threads: int, steps: int, runs: int, out: Path) -> float:
     """Wall seconds of one `runs`-run sweep into the fresh folder `out`."""
     cmd = [
-        sys.executable, "-m", "harness.train", "-m", "task=countdown", f"steps={steps}",
-        "progress=false", "checkpoint_every=1000", f"seed={','.join(map(str, range(runs)))}",
-        f"hydra.launcher.n_jobs={n_jobs}", f"hydra.launcher.threads={threads}",
+        sys.executable,
+        "-m",
+        "harness.train",
+        "-m",
+        "task=countdown",
+        f"steps={steps}",
+        "progress=false",
+        "checkpoint_every=1000",
+        f"seed={','.join(map(str, range(runs)))}",
+        f"hydra.launcher.n_jobs={n_jobs}",
+        f"hydra.launcher.threads={threads}",
         f"hydra.sweep.dir={out}",
-    ]  # fmt: skip
+    ]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     return time.perf_counter() - t0

@@ -42,10 +42,16 @@ class HFGenerate:
         ids, attn = encode_prompts(self.tok, prompts)
         torch.manual_seed(seed)
         out = self.model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
-            top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n,
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=n,
             pad_token_id=self.tok.pad_token_id,
-        )  # fmt: skip
+        )
         return int((out[:, ids.shape[1] :] != self.tok.pad_token_id).sum())
 
 
@@ -65,8 +71,13 @@ def main() -> None:
         "ratiolab": Engine(copy.deepcopy(model), tok),
         "vllm": vllm,
     }
-    out = {"threads": a.threads, "rounds": a.rounds, "cpu": cpu(), "vllm_version": vllm.version,
-           "vllm_startup_s": startup}  # fmt: skip
+    out = {
+        "threads": a.threads,
+        "rounds": a.rounds,
+        "cpu": cpu(),
+        "vllm_version": vllm.version,
+        "vllm_startup_s": startup,
+    }
     print(f"SmolLM2-135M, {len(prompts)} prompts, 48 new tokens, fp32, {a.threads} threads")
     print(f"  vLLM start-up (weights written, worker, model load, warm-up): {startup:.1f} s")
     for n in (2, 8):

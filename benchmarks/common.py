@@ -159,9 +159,11 @@ def compare(engines: dict, prompts, n, max_new, n_rounds, ref) -> dict:
             "tokens_per_rollout": statistics.median([t for _, t in v]),
             f"ratio_to_{ref}": ratio,
         }
-        print(f"  {k:12s} {rows[k]['median_s']:7.2f} s  ({rows[k]['tokens_per_rollout']:.0f} "
-              f"tokens)  ratio to {ref} {ratio['min']:.2f} / {ratio['median']:.2f} / "
-              f"{ratio['max']:.2f}")  # fmt: skip
+        print(
+            f"  {k:12s} {rows[k]['median_s']:7.2f} s  ({rows[k]['tokens_per_rollout']:.0f} "
+            f"tokens)  ratio to {ref} {ratio['min']:.2f} / {ratio['median']:.2f} / "
+            f"{ratio['max']:.2f}"
+        )
     return rows
 
 

@@ -180,11 +180,14 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(f"model.{key}={cfg.model[key]!r}; valid for harness.measure: unset")
     r = cfg.rollout
     if not 1 <= r.prompts_per_step <= len(PROMPTS):
-        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step}; valid: 1..{len(PROMPTS)} "
-                         "(the built-in prompts)")  # fmt: skip
+        raise ValueError(
+            f"rollout.prompts_per_step={r.prompts_per_step}; valid: 1..{len(PROMPTS)} "
+            "(the built-in prompts)"
+        )
     if r.max_new_tokens is None or r.max_new_tokens < 1:
-        raise ValueError(f"rollout.max_new_tokens={r.max_new_tokens!r}; valid: >= 1 (no task "
-                         "sets a budget here)")  # fmt: skip
+        raise ValueError(
+            f"rollout.max_new_tokens={r.max_new_tokens!r}; valid: >= 1 (no task sets a budget here)"
+        )
     check_sampling(r.temperature, r.top_k, r.top_p, prefix="rollout.")
     check_sampler(eng, [n["name"] for n in noise_nodes(cfg)], r)
     resolve_device(eng.device)  # a CUDA device must exist here
@@ -342,13 +345,20 @@ def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -
     schedule = [sched[k % len(sched)] for k in range(a.steps)]
     name, kw = split_node(cfg.objective)
     o = cfg.optim
-    opt = adamw(live.model, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
-                fused=False)  # fmt: skip
+    opt = adamw(
+        live.model, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, fused=False
+    )
     live.model.requires_grad_(True)
     _, metrics, skipped = update(
-        live, build_objective(name, **kw), batch, ro, schedule, opt, o.grad_clip,
+        live,
+        build_objective(name, **kw),
+        batch,
+        ro,
+        schedule,
+        opt,
+        o.grad_clip,
         mask_replay=cfg.engine.mask_replay,
-    )  # fmt: skip
+    )
     live.model.requires_grad_(False)
     return {
         "loss": [m["loss"] for m in metrics],
@@ -405,7 +415,7 @@ def truth_table(split: SNRSplit, truth: BinnedMoments) -> pd.DataFrame:
                     )
                     for k, t in (("var_beta", var_b), ("var_alpha", var_a), ("snr", snr_true))
                     if f"{k}_lo" in est
-                },  # fmt: skip
+                },
             }
         )
 
@@ -517,8 +527,10 @@ def figure_commands(out: Path, spec: str) -> list[str]:
     """The analysis/ commands that draw this run's figures: Figures 1, 2 and layer amplification;
     on SmolLM2 also its β beside the committed real-engine β of the same model
     (results/real_engine_beta/, whose own runs `python -m analysis.real_engine_beta` draws)."""
-    cmds = [f"python -m analysis.{m} {out}" for m in
-            ("noise_anatomy", "snr_table", "layer_amplification")]  # fmt: skip
+    cmds = [
+        f"python -m analysis.{m} {out}"
+        for m in ("noise_anatomy", "snr_table", "layer_amplification")
+    ]
     inside = REAL_ENGINE in (out.resolve(), *out.resolve().parents)
     if spec == "smollm2-135m" and not inside:
         cmds.append(f"python -m analysis.real_engine_beta --compare {out} --out {out}")
@@ -532,9 +544,12 @@ def tracked_files(folder: Path) -> list[str]:
     """Files under `folder` that git tracks (committed results); [] outside a git checkout."""
     try:
         out = subprocess.run(
-            ["git", "ls-files", "--", str(folder)], cwd=folder.parent if folder.parent.exists()
-            else None, capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            ["git", "ls-files", "--", str(folder)],
+            cwd=folder.parent if folder.parent.exists() else None,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return out.stdout.split() if out.returncode == 0 else []
@@ -601,9 +616,15 @@ def run(cfg: DictConfig) -> dict:
             flush=True,
         )
         batch, ro, r = collect(
-            sampler, trainer, prompts, partial(rewards, tok), sampling(cfg),
-            seed=step_seed(cfg.seed, i), mask_replay=replay, progress=cfg.progress,
-        )  # fmt: skip
+            sampler,
+            trainer,
+            prompts,
+            partial(rewards, tok),
+            sampling(cfg),
+            seed=step_seed(cfg.seed, i),
+            mask_replay=replay,
+            progress=cfg.progress,
+        )
         sc = {"p_t": batch.p_t, "p_sq_sum": batch.p_sq_sum}
         ident["cal"].append(
             check_identity(batch.logp_old, ro, cfg.measurement.identity_tol, "calibration")

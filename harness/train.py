@@ -197,9 +197,15 @@ def snr_refresh(s: Setup, cfg: DictConfig, task: Task, step: int) -> dict[str, f
     s.sampler.load_weights_from_state(s.history.newest())
     reward = partial(task.rollout_rewards, problems, tokenizer=s.tok)
     batch, _, _ = collect(
-        s.sampler, s.policy, [p.prompt for p in problems], reward, rollout_sampling(cfg, task),
-        seed=seed, advantage=cfg.advantage, mask_replay=cfg.engine.mask_replay,
-    )  # fmt: skip
+        s.sampler,
+        s.policy,
+        [p.prompt for p in problems],
+        reward,
+        rollout_sampling(cfg, task),
+        seed=seed,
+        advantage=cfg.advantage,
+        mask_replay=cfg.engine.mask_replay,
+    )
     s.sampler.load_weights_from_state(s.history.behaviour())
     m = batch.mask.bool()
     return s.objective.refresh(batch.log_rho[m], batch.p_t[m]) | {"snr/refresh_s": time.time() - t0}
@@ -231,8 +237,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             nonfinite_run = nonfinite_run + 1 if all_nonfinite else 0
             if cfg.eval_every and (step % cfg.eval_every == 0 or step in (1, cfg.steps)):
                 with high_precision(s.policy):  # θ itself, not its FP8 forward
-                    acc = evaluate(s.policy, s.task, eval_problems, budget, temperature,
-                                   cfg.eval_seed, s.ranks)  # fmt: skip
+                    acc = evaluate(
+                        s.policy, s.task, eval_problems, budget, temperature, cfg.eval_seed, s.ranks
+                    )
                 m["eval/acc"] = acc
             m["time/step_s"] = round(time.time() - t0, 3)
             if lead:

@@ -73,11 +73,15 @@ def test_figure_scripts_skip_empty_root(tmp_path):
 
 
 def test_coverage_counts_runs_whose_interval_holds_the_truth():
-    truth = pd.DataFrame({
-        "run": ["a", "b", "c", "a", "b", "c"], "bin_lo": [0, 0, 0, 0.5, 0.5, 0.5],
-        "bin_hi": [0.5] * 3 + [1.0] * 3, "n_live": [10, 20, 30, 5, 5, 5],
-        "snr_covered": [1.0, 0.0, 1.0, np.nan, 1.0, 1.0],
-    })  # fmt: skip
+    truth = pd.DataFrame(
+        {
+            "run": ["a", "b", "c", "a", "b", "c"],
+            "bin_lo": [0, 0, 0, 0.5, 0.5, 0.5],
+            "bin_hi": [0.5] * 3 + [1.0] * 3,
+            "n_live": [10, 20, 30, 5, 5, 5],
+            "snr_covered": [1.0, 0.0, 1.0, np.nan, 1.0, 1.0],
+        }
+    )
     cov = snr_table.coverage(truth)
     assert cov.snr_coverage.tolist() == [pytest.approx(2 / 3), 1.0]
     assert cov.snr_runs.tolist() == [3, 2] and cov.n_live_median.tolist() == [20, 5]

@@ -21,8 +21,17 @@ MB, GIB = 2**20, 2**30
 def test_point_peak_grows_with_rows_without_micro_batching():
     """tiny-llama keeps ~10 KiB per position for its backward: 4 → 64 rows of 8 + 64 tokens add
     ~4300 positions, ~40 MB, far above the few MB of a 4-row update."""
-    base = dict(mode="full", model="tiny-llama", layers=2, dtype="fp32", prompt=8, tokens=64,
-                threads=1, checkpointing=False, micro_batch_tokens=None)  # fmt: skip
+    base = dict(
+        mode="full",
+        model="tiny-llama",
+        layers=2,
+        dtype="fp32",
+        prompt=8,
+        tokens=64,
+        threads=1,
+        checkpointing=False,
+        micro_batch_tokens=None,
+    )
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         small, big = pool.map(lambda r: bm.run_cpu_point({**base, "rows": r}, timeout=300), (4, 64))
     for p in (small, big):
@@ -41,8 +50,16 @@ def _points(mode, a, b, c, chunk, grad_mb=0.0):
         for tokens in (32, 64, 128):
             N, n = rows * (16 + tokens), rows * tokens
             delta = max(a + b * N + c * min(n, chunk), grad_mb * MB)
-            out.append({"mode": mode, "rows": rows, "tokens": tokens, "positions": N,
-                        "response_tokens": n, "delta_mb": delta / MB})  # fmt: skip
+            out.append(
+                {
+                    "mode": mode,
+                    "rows": rows,
+                    "tokens": tokens,
+                    "positions": N,
+                    "response_tokens": n,
+                    "delta_mb": delta / MB,
+                }
+            )
     return out
 
 
@@ -64,8 +81,10 @@ def test_fit_recovers_bytes_per_position_and_logits():
 
 
 def test_growth_compares_the_fewest_and_the_most_rows():
-    pts = [{"mode": "mb", "tokens": 32, "rows": r, "delta_mb": d, "micro_batches": m}
-           for r, d, m in ((4, 100.0, 2), (16, 104.0, 8), (64, 109.0, 32))]  # fmt: skip
+    pts = [
+        {"mode": "mb", "tokens": 32, "rows": r, "delta_mb": d, "micro_batches": m}
+        for r, d, m in ((4, 100.0, 2), (16, 104.0, 8), (64, 109.0, 32))
+    ]
     (g,) = bm.growth(pts, "mb")
     assert (g["rows_from"], g["rows_to"]) == (4, 64)
     assert g["growth"] == pytest.approx(0.09) and g["pass"] and g["alike"]
@@ -98,29 +117,37 @@ def test_memory_table_hand_worked():
         "dtype": "fp32",
         "chunk": 1024,
         "fits": {
-            "full": {"bytes_per_position": 2 * 30 * ref_layer, "bound": "activations",
-                     "logit_bytes_per_response_token": 8 * 49152},
-            "ckpt": {"bytes_per_position": 3 * ref_layer, "bound": "gradients",
-                     "logit_bytes_per_response_token": None},
+            "full": {
+                "bytes_per_position": 2 * 30 * ref_layer,
+                "bound": "activations",
+                "logit_bytes_per_response_token": 8 * 49152,
+            },
+            "ckpt": {
+                "bytes_per_position": 3 * ref_layer,
+                "bound": "gradients",
+                "logit_bytes_per_response_token": None,
+            },
         },
-    }  # fmt: skip
-    x = dict(layers=2, hidden=100, q=100, kv=50, intermediate=200, vocab=1000, params=1e9,
-             active=1e9)  # fmt: skip
+    }
+    x = dict(
+        layers=2, hidden=100, q=100, kv=50, intermediate=200, vocab=1000, params=1e9, active=1e9
+    )
     assert bm.layer_width(x) == 1700 and bm.saved_layer_bytes(x, 2) == 3800
-    (row,) = bm.memory_table(rep, rows=2, tokens=(1024,), gpu_gib=20,
-                             models={"X": x})  # fmt: skip
+    (row,) = bm.memory_table(rep, rows=2, tokens=(1024,), gpu_gib=20, models={"X": x})
     assert row["act_full"] * GIB == pytest.approx(39_721_600)
     assert row["act_mb"] * GIB == pytest.approx(24_156_800)
     assert row["act_mb+ckpt"] * GIB == pytest.approx(20_675_200)
     assert row["act_ckpt"] * GIB == pytest.approx(2048 * 11800 + 8_592_000)
     assert row["kv_cache"] * GIB == pytest.approx(2 * 1024 * 2 * 2 * 50 * 2)
     assert (row["weights"], row["master"], row["grads"], row["adam"], row["sampler"]) == (
-        pytest.approx(2e9 / GIB), pytest.approx(4e9 / GIB), pytest.approx(2e9 / GIB),
-        pytest.approx(8e9 / GIB), pytest.approx(2e9 / GIB),
-    )  # fmt: skip
+        pytest.approx(2e9 / GIB),
+        pytest.approx(4e9 / GIB),
+        pytest.approx(2e9 / GIB),
+        pytest.approx(8e9 / GIB),
+        pytest.approx(2e9 / GIB),
+    )
     assert row["peak_full"] * GIB == pytest.approx(22e9)
     assert row["fits_one"] == [] and row["ranks"] == 2
     # on a 24 GiB GPU (21.6 GiB usable) every mode fits one GPU
-    (row,) = bm.memory_table(rep, rows=2, tokens=(1024,), gpu_gib=24,
-                             models={"X": x})  # fmt: skip
+    (row,) = bm.memory_table(rep, rows=2, tokens=(1024,), gpu_gib=24, models={"X": x})
     assert row["fits_one"] == list(bm.MODES) and row["ranks"] == 1

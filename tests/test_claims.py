@@ -24,19 +24,42 @@ from harness.runs.prereg import check_prereg
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 PREREG = {
-    "claim": "c", "source": "s", "seeds": 3, "treatment": "T", "control": "C",
-    "endpoints": [{"name": "e", "metric": "m", "reduce": "window_mean", "window": [3, 4],
-                   "test": "paired_t", "predicted": "greater"}],
-}  # fmt: skip
+    "claim": "c",
+    "source": "s",
+    "seeds": 3,
+    "treatment": "T",
+    "control": "C",
+    "endpoints": [
+        {
+            "name": "e",
+            "metric": "m",
+            "reduce": "window_mean",
+            "window": [3, 4],
+            "test": "paired_t",
+            "predicted": "greater",
+        }
+    ],
+}
 
 
 @pytest.mark.parametrize(
     "exp, least",
-    [("collapse_reject_vs_clamp", 5), ("fp8_entropy_surge", 5), ("nsr_vs_decay", 5),
-     ("opsd_repetition", 5), ("cis_vs_tis", 5), ("phase_diagram", 3), ("collapse_drivers", 5),
-     ("fp8_full_pipeline", 5), ("nsr_dose", 3), ("cis_dose", 3), ("surge_confirm", 8),
-     ("nsr_confirm", 10), ("collapse_confirm", 10)],
-)  # fmt: skip
+    [
+        ("collapse_reject_vs_clamp", 5),
+        ("fp8_entropy_surge", 5),
+        ("nsr_vs_decay", 5),
+        ("opsd_repetition", 5),
+        ("cis_vs_tis", 5),
+        ("phase_diagram", 3),
+        ("collapse_drivers", 5),
+        ("fp8_full_pipeline", 5),
+        ("nsr_dose", 3),
+        ("cis_dose", 3),
+        ("surge_confirm", 8),
+        ("nsr_confirm", 10),
+        ("collapse_confirm", 10),
+    ],
+)
 def test_the_presets_preregistrations_validate_and_their_sweeps_cover_the_planned_seeds(exp, least):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={exp}"], return_hydra_config=True)
@@ -75,8 +98,17 @@ def _summary(values):
     rows = []
     for (arm, seed), ms in values.items():
         for step, m in enumerate(ms, 1):
-            rows.append(dict(run=f"{arm}{seed}", arm=arm, seed=seed, step=step, m=m,
-                             complete=True, eval_acc=m if step % 2 == 0 else None))  # fmt: skip
+            rows.append(
+                dict(
+                    run=f"{arm}{seed}",
+                    arm=arm,
+                    seed=seed,
+                    step=step,
+                    m=m,
+                    complete=True,
+                    eval_acc=m if step % 2 == 0 else None,
+                )
+            )
     return pd.DataFrame(rows)
 
 
@@ -118,21 +150,41 @@ def test_verdicts_follow_the_registered_test_and_direction():
     assert run_endpoint(vals, tost_ep, "T", "C")["verdict"] == "reproduced"
     opposite = {**tost_ep, "predicted": "less"}  # a resolved difference the other way
     assert run_endpoint(vals, opposite, "T", "C")["verdict"] == "opposite to the prediction"
-    none = endpoint_values(_summary({(a, s): [0] * 4 for a in "TC" for s in range(3)}),
-                           {"metric": "m", "reduce": "final_any"})  # fmt: skip
+    none = endpoint_values(
+        _summary({(a, s): [0] * 4 for a in "TC" for s in range(3)}),
+        {"metric": "m", "reduce": "final_any"},
+    )
     fisher = run_endpoint(none, {**ep, "test": "fisher", "reduce": "final_any"}, "T", "C")
     assert fisher["verdict"] == "not reproduced: no event in either arm"
-    every = endpoint_values(_summary({(a, s): [1] * 4 for a in "TC" for s in range(3)}),
-                            {"metric": "m", "reduce": "final_any"})  # fmt: skip
+    every = endpoint_values(
+        _summary({(a, s): [1] * 4 for a in "TC" for s in range(3)}),
+        {"metric": "m", "reduce": "final_any"},
+    )
     fisher = run_endpoint(every, {**ep, "test": "fisher", "reduce": "final_any"}, "T", "C")
     assert fisher["verdict"] == "not reproduced: an event in every run of both arms"
     assert fisher["p"] == pytest.approx(1.0) and fisher["stat"] == "3/3 vs 3/3 runs"
     assert run_endpoint(vals, ep, "T", "X")["verdict"].startswith("not run")
-    table = pd.DataFrame([{"experiment": "x", "claim": "c", "source": "s", "treatment": "T",
-                           "control": "C", "endpoint": "e", "metric": "m", "reduce": "r",
-                           "test": "paired_t", "predicted": "greater", "seeds_planned": 4,
-                           "mechanism_treatment": "mm", "status": "confirmatory",
-                           "kind": "in sign", **res}])  # fmt: skip
+    table = pd.DataFrame(
+        [
+            {
+                "experiment": "x",
+                "claim": "c",
+                "source": "s",
+                "treatment": "T",
+                "control": "C",
+                "endpoint": "e",
+                "metric": "m",
+                "reduce": "r",
+                "test": "paired_t",
+                "predicted": "greater",
+                "seeds_planned": 4,
+                "mechanism_treatment": "mm",
+                "status": "confirmatory",
+                "kind": "in sign",
+                **res,
+            }
+        ]
+    )
     text = markdown(corrected(table))
     assert "| reproduced | in sign | Holm and BH |" in text and "| confirmatory | mm |" in text
 
@@ -192,8 +244,17 @@ def _entropy_runs(surging: dict[str, int], n: int = 5, steps: int = 30) -> pd.Da
         for seed in range(n):
             for step in range(1, steps + 1):
                 ent = 3.0 if seed < k and step > 10 else 1.0
-                rows.append(dict(run=f"{arm}{seed}", arm=arm, seed=seed, step=step,
-                                 entropy_mean=ent, reward_mean=0.3, complete=True))  # fmt: skip
+                rows.append(
+                    dict(
+                        run=f"{arm}{seed}",
+                        arm=arm,
+                        seed=seed,
+                        step=step,
+                        entropy_mean=ent,
+                        reward_mean=0.3,
+                        complete=True,
+                    )
+                )
     return pd.DataFrame(rows)
 
 
@@ -203,8 +264,14 @@ def test_an_in_kind_endpoint_counts_runs_in_which_the_entropy_surged():
     from analysis.claims import in_kind_counts, kind
 
     df = _entropy_runs({"T": 4, "C": 0})
-    ep = {"name": "surge", "metric": "entropy_mean", "reduce": "event", "event": "surge",
-          "test": "fisher", "predicted": "greater"}  # fmt: skip
+    ep = {
+        "name": "surge",
+        "metric": "entropy_mean",
+        "reduce": "event",
+        "event": "surge",
+        "test": "fisher",
+        "predicted": "greater",
+    }
     check_prereg({**PREREG, "endpoints": [ep]})
     res = run_endpoint(endpoint_values(df, ep), ep, "T", "C")
     assert res["stat"] == "4/5 vs 0/5 runs" and res["p"] == pytest.approx(5 / 210)
@@ -218,8 +285,14 @@ def test_an_in_kind_endpoint_counts_runs_in_which_the_entropy_surged():
         "surge 4/5 (at 15) vs 0/5 vs A/A 1/5 (at 15)"
     )
     assert in_kind_counts(both, ["T", "C"]).startswith("surge 4/5 (at 15) vs 1/10")  # pooled
-    win = {"name": "w", "metric": "entropy_mean", "reduce": "window_mean", "window": [20, 30],
-           "test": "paired_t", "predicted": "greater"}  # fmt: skip
+    win = {
+        "name": "w",
+        "metric": "entropy_mean",
+        "reduce": "window_mean",
+        "window": [20, 30],
+        "test": "paired_t",
+        "predicted": "greater",
+    }
     assert kind(win, "reproduced") == "in sign" and kind(ep, "not resolved") == "neither"
     with pytest.raises(ValueError, match=r"endpoints\[0\].event"):
         check_prereg({**PREREG, "endpoints": [{**ep, "event": "spike"}]})
@@ -228,11 +301,14 @@ def test_an_in_kind_endpoint_counts_runs_in_which_the_entropy_surged():
 def test_corrections_by_hand_and_exploratory_rows_leave_the_families():
     """Experiment a: p 0.01, 0.04 → Holm 0.02, 0.04; b: 0.03 → 0.03 and an exploratory 0.001.
     BH over the three confirmatory p (0.01, 0.03, 0.04): 0.03, 0.04, 0.04."""
-    t = pd.DataFrame({
-        "experiment": ["a", "a", "b", "b"], "p": [0.01, 0.04, 0.03, 0.001],
-        "verdict": ["reproduced", "reproduced", "not resolved", "reproduced"],
-        "status": ["confirmatory"] * 3 + ["exploratory: ran before its prereg"],
-    })  # fmt: skip
+    t = pd.DataFrame(
+        {
+            "experiment": ["a", "a", "b", "b"],
+            "p": [0.01, 0.04, 0.03, 0.001],
+            "verdict": ["reproduced", "reproduced", "not resolved", "reproduced"],
+            "status": ["confirmatory"] * 3 + ["exploratory: ran before its prereg"],
+        }
+    )
     out = corrected(t)
     assert out.p_holm[:3].tolist() == pytest.approx([0.02, 0.04, 0.03])
     assert out.q_bh[:3].tolist() == pytest.approx([0.03, 0.04, 0.04]) and np.isnan(out.q_bh[3])

@@ -71,8 +71,13 @@ def grid(sweep: dict) -> list[list[str]]:
 
 
 def test_every_preset_exists():
-    assert set(MEASURE_PRESETS) == {"noise_anatomy", "snr_table", "real_engine_beta",
-                                    "real_engine_beta_vllm", "precision_beta"}  # fmt: skip
+    assert set(MEASURE_PRESETS) == {
+        "noise_anatomy",
+        "snr_table",
+        "real_engine_beta",
+        "real_engine_beta_vllm",
+        "precision_beta",
+    }
     assert set(PRESETS) == {
         "collapse_reject_vs_clamp",
         "fp8_entropy_surge",
@@ -180,14 +185,22 @@ def test_noise_files_state_only_what_differs_from_the_builder():
     [
         ("train", ["noise.name=logit", "noise.sigma=0.3"], "noise.name", "noise=logit"),
         ("train", ["objective.name=cispo"], "objective.name", "objective=cispo"),
-        ("train", ["aggregation.name=seq-mean-token-mean"], "aggregation.name",
-         "aggregation=seq-mean-token-mean"),
+        (
+            "train",
+            ["aggregation.name=seq-mean-token-mean"],
+            "aggregation.name",
+            "aggregation=seq-mean-token-mean",
+        ),
         ("train", ["task.name=countdown"], "task.name", "task=countdown"),
-        ("train", ["experiment=collapse_reject_vs_clamp", "objective.name=band"],
-         "objective.name", "objective=band"),
+        (
+            "train",
+            ["experiment=collapse_reject_vs_clamp", "objective.name=band"],
+            "objective.name",
+            "objective=band",
+        ),
         ("measure", ["noise.name=logit"], "noise.name", "noise=logit"),
     ],
-)  # fmt: skip
+)
 def test_a_group_name_set_as_a_key_is_refused_naming_the_group_choice(
     job, overrides, key, option, tmp_path
 ):
@@ -201,10 +214,14 @@ def test_a_group_name_set_as_a_key_is_refused_naming_the_group_choice(
 
 @pytest.mark.parametrize(
     "job, overrides",
-    [("train", ["noise=logit", "noise.name=logit"]), ("train", ["noise=ct2_int8_smollm2"]),
-     ("train", ["objective=cispo", "objective.lo=0.3"]), ("measure", []),
-     ("measure", ["noise=fp8"])],
-)  # fmt: skip
+    [
+        ("train", ["noise=logit", "noise.name=logit"]),
+        ("train", ["noise=ct2_int8_smollm2"]),
+        ("train", ["objective=cispo", "objective.lo=0.3"]),
+        ("measure", []),
+        ("measure", ["noise=fp8"]),
+    ],
+)
 def test_a_group_choice_passes_the_name_check(job, overrides, tmp_path):
     """A file whose stem is not its builder's name (a fitted noise, measure's default
     fp8_block_w8a8) and a name restated as the chosen file's own both pass."""
@@ -261,11 +278,18 @@ def test_an_aggregation_chosen_on_the_command_line_replaces_the_objectives_own(t
 def test_swept_nodes_take_keys_without_a_plus(tmp_path):
     cfg, _, _ = load(
         "train",
-        ["objective=cispo", "objective.lo=0.3", "task.digits=3", "noise=logit", "noise.sigma=0.2",
-         "aggregation=seq-mean-token-sum-norm", "aggregation.norm_len=24",
-         "model.warmstart.steps=5"],
+        [
+            "objective=cispo",
+            "objective.lo=0.3",
+            "task.digits=3",
+            "noise=logit",
+            "noise.sigma=0.2",
+            "aggregation=seq-mean-token-sum-norm",
+            "aggregation.norm_len=24",
+            "model.warmstart.steps=5",
+        ],
         tmp_path,
-    )  # fmt: skip
+    )
     check_nodes(cfg)
     assert cfg.objective.lo == 0.3 and cfg.task.digits == 3 and cfg.noise.sigma == 0.2
     assert cfg.aggregation == {"name": "seq-mean-token-sum-norm", "norm_len": 24}
@@ -364,9 +388,12 @@ def test_run_names_are_hashed_when_long_and_never_hold_out_or_progress(tmp_path)
 
 @pytest.mark.parametrize(
     "overrides, out",
-    [([], "results/measure/"), (["model=tiny-llama"], "results/measure/model=tiny-llama"),
-     (["model=tiny-llama", "force=true", "progress=true"], "results/measure/model=tiny-llama")],
-)  # fmt: skip
+    [
+        ([], "results/measure/"),
+        (["model=tiny-llama"], "results/measure/model=tiny-llama"),
+        (["model=tiny-llama", "force=true", "progress=true"], "results/measure/model=tiny-llama"),
+    ],
+)
 def test_measure_writes_to_a_folder_named_after_its_overrides(overrides, out):
     with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
         cfg = compose("measure", overrides=overrides, return_hydra_config=True)

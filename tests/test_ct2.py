@@ -38,8 +38,10 @@ def test_float32_engine_scores_and_samples_what_the_hf_trainer_computes(tiny_lla
     assert m.sum() > 20
     assert (hf - ro.logp_mu)[m].abs().max() < 1e-5  # sampling path: μ's logits = the trainer's
     # score path: the converted model's full forward on the sampled sequences
-    seqs = [p + ro.response_ids[i, : int(m[i].sum())].tolist() for i, p in
-            enumerate(np.repeat(np.array(prompts, dtype=object), 3))]  # fmt: skip
+    seqs = [
+        p + ro.response_ids[i, : int(m[i].sum())].tolist()
+        for i, p in enumerate(np.repeat(np.array(prompts, dtype=object), 3))
+    ]
     z = np.asarray(eng.load().forward_batch(seqs[:1]))[0]
     with torch.no_grad():
         ref = model(torch.tensor(seqs[:1])).logits[0]
@@ -53,11 +55,19 @@ def test_float32_engine_scores_and_samples_what_the_hf_trainer_computes(tiny_lla
 def test_logp_mu_is_faithful_chi_square(tiny_llama, ct2_cache, temperature, top_p, top_k):
     model, tok = _sharpened(tiny_llama)
     eng = Ct2Engine(copy.deepcopy(model), tok)
-    ro = eng.generate([[5, 6, 7]], n=6000, max_new_tokens=1, temperature=temperature,
-                      top_p=top_p, top_k=top_k, seed=1)  # fmt: skip
+    ro = eng.generate(
+        [[5, 6, 7]],
+        n=6000,
+        max_new_tokens=1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=1,
+    )
     # the kept support is recorded under any truncation, for mask replay
-    assert_faithful_law(model, ro, temperature, top_p, top_k, atol=1e-5,
-                        support=bool(top_k or top_p < 1.0))  # fmt: skip
+    assert_faithful_law(
+        model, ro, temperature, top_p, top_k, atol=1e-5, support=bool(top_k or top_p < 1.0)
+    )
 
 
 def test_int8_is_a_real_second_engine(tiny_llama, ct2_cache):
@@ -136,8 +146,12 @@ def test_a_killed_conversion_leaves_nothing_under_the_final_name(tiny_llama, tmp
         convert(AutoModelForCausalLM.from_pretrained(src), AutoTokenizer.from_pretrained(src),
                 "{root}")
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert proc.stdout.readline().strip() == "writing"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -187,8 +201,13 @@ def test_training_with_ct2_as_the_sampler(tmp_path, ct2_cache):
     from harness import train
 
     # the check off: it would start a second CTranslate2 engine; the loop's dials are tested
-    cfg = _cfg(tmp_path, "steps=3", "engine.sampler=ct2", "engine.ct2.compute_type=int8",
-               "mechanism_batches=0")  # fmt: skip
+    cfg = _cfg(
+        tmp_path,
+        "steps=3",
+        "engine.sampler=ct2",
+        "engine.ct2.compute_type=int8",
+        "mechanism_batches=0",
+    )
     train.run(cfg)
     ms = _metrics(tmp_path)
     assert [m["step"] for m in ms] == [1, 2, 3]
@@ -205,12 +224,21 @@ def test_measure_with_ct2_as_the_sampler(tmp_path, ct2_cache):
 
     from harness import measure
 
-    f32 = measure.run(measure_cfg(tmp_path / "f32", *TINY, "noise=none", "live.mode=none",
-                                  "engine.sampler=ct2"))  # fmt: skip
+    f32 = measure.run(
+        measure_cfg(tmp_path / "f32", *TINY, "noise=none", "live.mode=none", "engine.sampler=ct2")
+    )
     assert f32["table7"]["cal"]["max_abs_delta"] <= 1e-5 and f32["sampler"] == "ct2"
     assert f32["label"].startswith("CTranslate2 float32")
-    i8 = measure.run(measure_cfg(tmp_path / "i8", *TINY, "noise=none", "live.mode=none",
-                                 "engine.sampler=ct2", "engine.ct2.compute_type=int8"))  # fmt: skip
+    i8 = measure.run(
+        measure_cfg(
+            tmp_path / "i8",
+            *TINY,
+            "noise=none",
+            "live.mode=none",
+            "engine.sampler=ct2",
+            "engine.ct2.compute_type=int8",
+        )
+    )
     assert i8["table7"]["cal"]["mean_abs_delta"] > 1e-4
     assert abs(i8["identity_mean_ratio"]["cal"] - 1) < 0.05
     with pytest.raises(ValueError, match="engine.sampler=ct2 with injected noise"):

@@ -57,8 +57,16 @@ def test_streaming_table7_matches_the_tensor_dials():
     st = DeltaStats().add(x.ravel(), conf.ravel(), seq=np.repeat(np.arange(6), 40))
     streamed = st.dials()
     direct = D.dials(torch.tensor(x), torch.ones(6, 40))
-    for k in ("uncapped_mean_ratio", "capped_mean_ratio", "kl_k1", "kl_k3", "chi2", "ess_token",
-              "out_of_band_frac", "ess_seq"):  # fmt: skip
+    for k in (
+        "uncapped_mean_ratio",
+        "capped_mean_ratio",
+        "kl_k1",
+        "kl_k3",
+        "chi2",
+        "ess_token",
+        "out_of_band_frac",
+        "ess_seq",
+    ):
         assert streamed[k] == pytest.approx(direct[k], rel=1e-9), k
 
 

@@ -162,9 +162,13 @@ def test_weight_sync_copies_and_casts(tiny_llama):
 
 @pytest.mark.parametrize(
     "spec",
-    [("layer", {"sigma": 0.05}), ("logit", {"sigma": 0.5}), ("logit", {"sigma": 0.5, "nu": 3}),
-     ("position", {"sigma": 0.2, "length": 4.0})],
-)  # fmt: skip
+    [
+        ("layer", {"sigma": 0.05}),
+        ("logit", {"sigma": 0.5}),
+        ("logit", {"sigma": 0.5, "nu": 3}),
+        ("position", {"sigma": 0.2, "length": 4.0}),
+    ],
+)
 def test_deterministic_noise_same_in_decode_and_rescore(tiny_llama, spec):
     """A noisy sampler re-scoring its own samples reproduces logp_mu: the noise is a function
     of the prefix, identical in KV-cache decode and full-sequence scoring."""
@@ -434,9 +438,12 @@ def test_pruned_decode_is_bit_identical_to_decoding_every_row(
 
     model, tok = _sharpened(tiny_llama)
     model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
-    specs = {"logit": ("logit", {"sigma": 0.5}), "layer": ("layer", {"sigma": 1e-2}),
-             "fp8-row": ("fp8", {"granularity": "row"}),
-             "position": ("position", {"sigma": 0.2, "length": 4.0})}  # fmt: skip
+    specs = {
+        "logit": ("logit", {"sigma": 0.5}),
+        "layer": ("layer", {"sigma": 1e-2}),
+        "fp8-row": ("fp8", {"granularity": "row"}),
+        "position": ("position", {"sigma": 0.2, "length": 4.0}),
+    }
     nz = [build_noise(specs[noise][0], **specs[noise][1])] if noise else []
     eng = Engine(model, tok, noise=nz, kv_cache=path != "recompute")
     try:
@@ -595,9 +602,12 @@ def test_hf_decode_on_a_pruned_cache_equals_the_full_batch_while_a_padded_row_st
             c.reorder_cache(rows)
             a = torch.cat([attn[rows], torch.ones(len(rows), 1, dtype=attn.dtype)], 1)
             return model(
-                input_ids=torch.full((len(rows), 1), 5), attention_mask=a, cache=c,
-                position_ids=position_ids(a)[:, -1:], logits_to_keep=1,
-            ).logits[:, -1]  # fmt: skip
+                input_ids=torch.full((len(rows), 1), 5),
+                attention_mask=a,
+                cache=c,
+                position_ids=position_ids(a)[:, -1:],
+                logits_to_keep=1,
+            ).logits[:, -1]
 
     with _threads(1):  # the floor of one thread: 20 rows ≥ 16
         full = step(torch.arange(40))

@@ -109,12 +109,24 @@ def test_how_close_table_one_row_per_run_with_events_margins_and_escalation():
 
     n = 100
     late = [np.nan] * (n - 1)
-    hot = _run(entropy_mean=[1.0] * 10 + [3.0] * (n - 10), reward_mean=[0.3] * n,
-               mask_frac=0.01 * np.arange(1, n + 1), eval_acc=late + [0.2])  # fmt: skip
-    flat = _run(entropy_mean=[1.0] * n, reward_mean=[0.3] * n, mask_frac=[0.0] * n,
-                eval_acc=[0.25] + late[1:] + [0.3])  # fmt: skip
-    df = pd.concat([hot.assign(run="h", arm="reject", seed=0, sigma=1.0),
-                    flat.assign(run="f", arm="reject", seed=0, sigma=0.5)])  # fmt: skip
+    hot = _run(
+        entropy_mean=[1.0] * 10 + [3.0] * (n - 10),
+        reward_mean=[0.3] * n,
+        mask_frac=0.01 * np.arange(1, n + 1),
+        eval_acc=late + [0.2],
+    )
+    flat = _run(
+        entropy_mean=[1.0] * n,
+        reward_mean=[0.3] * n,
+        mask_frac=[0.0] * n,
+        eval_acc=[0.25] + late[1:] + [0.3],
+    )
+    df = pd.concat(
+        [
+            hot.assign(run="h", arm="reject", seed=0, sigma=1.0),
+            flat.assign(run="f", arm="reject", seed=0, sigma=0.5),
+        ]
+    )
     t = table(df).set_index("sigma")
     assert t.loc[1.0, "surge"] == "step 15" and t.loc[0.5, "surge"] == "—"
     assert t.loc[1.0, "entropy_peak"] == 3.0 and t.loc[0.5, "entropy_peak"] == 1.0
@@ -130,11 +142,15 @@ def test_how_close_reports_loops_and_opsd_r_at_copy_positions_by_hand():
     from analysis.how_close import table
 
     n = 10
-    run = _run(entropy_mean=[1.0] * n, reward_mean=[0.3] * n,
-               repetition_terminal_loop_rate=[0, 0, 0.5] + [0] * 7,
-               repetition_copy_exit_mass_ratio=[0.1] * 8 + [0.2, 0.4],
-               repetition_noncopy_exit_mass_ratio=[0.9] * n,
-               repetition_copy_entropy=[1.0] * n, repetition_noncopy_entropy=[0.5] * n)  # fmt: skip
+    run = _run(
+        entropy_mean=[1.0] * n,
+        reward_mean=[0.3] * n,
+        repetition_terminal_loop_rate=[0, 0, 0.5] + [0] * 7,
+        repetition_copy_exit_mass_ratio=[0.1] * 8 + [0.2, 0.4],
+        repetition_noncopy_exit_mass_ratio=[0.9] * n,
+        repetition_copy_entropy=[1.0] * n,
+        repetition_noncopy_entropy=[0.5] * n,
+    )
     row = table(run.assign(run="r", arm="clipped", seed=0)).iloc[0]
     assert row["loops (rate, last 20%)"] == "0.0000" and row["loops (max step)"] == "0.5000"
     assert row["R copy / non-copy (last 20%)"] == "0.30 / 0.90"

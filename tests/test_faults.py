@@ -16,10 +16,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = [
-    "model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2", "rollout.group_size=4",
-    "rollout.max_new_tokens=6", "eval_n=4", "eval_every=3", "progress=false", "steps=40",
-    "checkpoint_every=1", "alpha.minibatches=2",
-]  # fmt: skip
+    "model=tiny-llama",
+    "++task.digits=1",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "eval_n=4",
+    "eval_every=3",
+    "progress=false",
+    "steps=40",
+    "checkpoint_every=1",
+    "alpha.minibatches=2",
+]
 
 # Runs harness.train in a child that SIGKILLs itself in the middle of its k-th checkpoint
 # write (half a file on disk) or k-th metrics append (half a line on disk), per FAULT=kind:k.
@@ -67,8 +75,12 @@ def child(out: Path, fault: str = "none:0") -> subprocess.Popen:
     env = {"FAULT": fault, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     return subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, *ARGS, f"out={out}"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def lines(run: Path) -> list[str]:
@@ -87,8 +99,18 @@ def test_ten_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path):
     ref = child(tmp_path / "ref")
     assert ref.wait(timeout=600) == 0, ref.stderr.read()[-3000:]
     rng = random.Random(0)
-    faults = ["time", "checkpoint:2", "metrics:2", "time", "checkpoint:3", "metrics:3",
-              "time", "checkpoint:2", "metrics:2", "time"]  # fmt: skip
+    faults = [
+        "time",
+        "checkpoint:2",
+        "metrics:2",
+        "time",
+        "checkpoint:3",
+        "metrics:3",
+        "time",
+        "checkpoint:2",
+        "metrics:2",
+        "time",
+    ]
     run, survived = tmp_path / "faulty", 0
     for fault in faults:
         if fault == "time":  # one new step logged, then a random point inside the next

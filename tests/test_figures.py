@@ -35,7 +35,7 @@ ARMS = {  # experiment -> arms as (objective, arm label)
     "fp8_full_pipeline": [
         ("calibrated_clip", "calibrated clip (every 5, EMA 0.5)"),
         ("ppo_clip", "std clip"),
-    ],  # fmt: skip
+    ],
 }
 COLS = [c.replace("/", "_") for c in METRICS]
 
@@ -49,9 +49,21 @@ def fake_summary(root, exp, runs, steps=12):
                 m = dict(zip(COLS, rng.uniform(0, 0.5, len(COLS))))
                 m["eval_acc"] = m["eval_acc"] if s % 4 == 0 or s == 1 else np.nan
                 m["collapse_events"] = float(i == 0 and s > 8)
-                rows.append({"step": s, **m, "run": f"{i}-{seed}", "arm": arm, "seed": seed,
-                             "objective": obj, "sigma": sigma, "staleness": k, "lr": 1e-4,
-                             "steps": steps, "complete": True})  # fmt: skip
+                rows.append(
+                    {
+                        "step": s,
+                        **m,
+                        "run": f"{i}-{seed}",
+                        "arm": arm,
+                        "seed": seed,
+                        "objective": obj,
+                        "sigma": sigma,
+                        "staleness": k,
+                        "lr": 1e-4,
+                        "steps": steps,
+                        "complete": True,
+                    }
+                )
     (root / exp).mkdir(parents=True)
     pd.DataFrame(rows).to_csv(root / exp / "summary.csv", index=False)
 
@@ -61,10 +73,22 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("results")
     for exp, arms in ARMS.items():
         fake_summary(root, exp, [(o, a, 0.5, 0) for o, a in arms])
-    accuracy = {"name": "accuracy", "metric": "eval_acc", "reduce": "last_evals", "n": 2,
-                "test": "paired_t", "predicted": "less"}  # fmt: skip
-    prereg = {"claim": "c", "source": "s", "seeds": 3, "treatment": "reject (mask [0.5, 2])",
-              "control": "clamp (CISPO [0.5, 2])", "endpoints": [accuracy]}  # fmt: skip
+    accuracy = {
+        "name": "accuracy",
+        "metric": "eval_acc",
+        "reduce": "last_evals",
+        "n": 2,
+        "test": "paired_t",
+        "predicted": "less",
+    }
+    prereg = {
+        "claim": "c",
+        "source": "s",
+        "seeds": 3,
+        "treatment": "reject (mask [0.5, 2])",
+        "control": "clamp (CISPO [0.5, 2])",
+        "endpoints": [accuracy],
+    }
     (root / "collapse_reject_vs_clamp" / "prereg.yaml").write_text(yaml.safe_dump(prereg))
     arms = ("π_old := μ (std clip)", "π_old recomputed (std clip)")
     grid = [("ppo_clip", a, s, k) for a in arms for s in (0.0, 1.0) for k in (0, 2)]
@@ -79,18 +103,29 @@ def results(tmp_path_factory):
 def test_the_caption_quotes_each_arms_mechanism_check(tmp_path):
     from analysis.runs import mechanism_caption
 
-    df = pd.DataFrame({"run": ["r0", "r0"], "arm": ["A", "A"], "complete": [True, True],
-                       "mask_frac": [0.1, 0.3]})  # fmt: skip
+    df = pd.DataFrame(
+        {"run": ["r0", "r0"], "arm": ["A", "A"], "complete": [True, True], "mask_frac": [0.1, 0.3]}
+    )
     (tmp_path / "x").mkdir()
-    shown = {"run": "r0", "arm": "A", "trained": True, "oob_frac": 0.062, "fork_oob_share": 0.92,
-             "forks_deleted": 0.28, "neg_low_clip": 0.15, "pos_high_clip": 0.056,
-             "sampler_reward": 0.2}  # fmt: skip
+    shown = {
+        "run": "r0",
+        "arm": "A",
+        "trained": True,
+        "oob_frac": 0.062,
+        "fork_oob_share": 0.92,
+        "forks_deleted": 0.28,
+        "neg_low_clip": 0.15,
+        "pos_high_clip": 0.056,
+        "sampler_reward": 0.2,
+    }
     left_out = {**shown, "run": "aa", "oob_frac": 0.5}  # a run the figure does not show
     pd.DataFrame([shown, left_out]).to_csv(tmp_path / "x" / "mechanism.csv", index=False)
     text = mechanism_caption(tmp_path, "x", df, ["A", "B"])
-    assert text == ("A: step 0: 6.2% out of band, 92% of it on forks, 28% of forks outside; "
-                    "A<0 below 1−ε 15.0% vs A>0 above 1+ε 5.6%; μ reward 0.200; "
-                    "in run: 20.0% deleted")  # fmt: skip
+    assert text == (
+        "A: step 0: 6.2% out of band, 92% of it on forks, 28% of forks outside; "
+        "A<0 below 1−ε 15.0% vs A>0 above 1+ε 5.6%; μ reward 0.200; "
+        "in run: 20.0% deleted"
+    )
     mech = pd.read_csv(tmp_path / "x" / "mechanism.csv").assign(
         teacher_acc=0.9, student_acc=0.3, teacher_ref_logp=-0.01, student_ref_logp=-0.1
     )
@@ -112,8 +147,9 @@ def test_a_run_of_an_arm_its_preset_does_not_declare_fails_the_figure(tmp_path):
     """A figure draws the arms its preset declares (experiments/experiment/<exp>.yaml `arms`,
     in that order: the legend's and the colours'); a run whose arm the preset does not declare
     (an arm renamed after the runs) fails the figure, naming the arm, instead of vanishing."""
-    fake_summary(tmp_path, "cis_vs_tis", [("tis", "TIS (cap 2)", 0.5, 0),
-                                          ("cis", "CIS (λ = 2.3)", 0.5, 0)])  # fmt: skip
+    fake_summary(
+        tmp_path, "cis_vs_tis", [("tis", "TIS (cap 2)", 0.5, 0), ("cis", "CIS (λ = 2.3)", 0.5, 0)]
+    )
     with pytest.raises(ValueError, match=r"'TIS \(cap 2\)'.*experiment/cis_vs_tis\.yaml"):
         importlib.import_module("analysis.cis_vs_tis").main(["--results", str(tmp_path)])
     from analysis.runs import figure_arms
@@ -138,10 +174,16 @@ def _raw_run(root, name, cfg, steps_done=3, overrides=None, exp="nsr_vs_decay"):
 
 
 def _cfg(seed, steps=3, **objective):
-    return {"seed": seed, "steps": steps, "objective": {"name": "nsr", "mode": "push", **objective},
-            "noise": {"name": "logit", "sigma": 0.3, "seed": seed},
-            "alpha": {"staleness": 0, "minibatches": 1}, "optim": {"lr": 1e-4},
-            "engine": {"logp_old_source": "sampler"}, "prereg": {"claim": "c"}}  # fmt: skip
+    return {
+        "seed": seed,
+        "steps": steps,
+        "objective": {"name": "nsr", "mode": "push", **objective},
+        "noise": {"name": "logit", "sigma": 0.3, "seed": seed},
+        "alpha": {"staleness": 0, "minibatches": 1},
+        "optim": {"lr": 1e-4},
+        "engine": {"logp_old_source": "sampler"},
+        "prereg": {"claim": "c"},
+    }
 
 
 def test_summarize_reads_raw_runs(tmp_path):
@@ -247,8 +289,14 @@ def test_load_raw_copies_the_model_checksum_from_meta(tmp_path):
 
     run = tmp_path / "exp" / "seed=0"
     run.mkdir(parents=True)
-    cfg = {"objective": {"name": "ppo_clip"}, "noise": {"name": "none"}, "seed": 0, "steps": 1,
-           "alpha": {"staleness": 0}, "engine": {"logp_old_source": "trainer"}}  # fmt: skip
+    cfg = {
+        "objective": {"name": "ppo_clip"},
+        "noise": {"name": "none"},
+        "seed": 0,
+        "steps": 1,
+        "alpha": {"staleness": 0},
+        "engine": {"logp_old_source": "trainer"},
+    }
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
     model = {"weights_sha": "abf264c4edf47066", "recipe_hash": "a814f17fcbcb"}
@@ -272,18 +320,40 @@ def test_dose_response_tests_each_noise_level_as_registered(tmp_path):
                 for arm, extra in ((treat, gap), (ctrl, 0.0)):
                     for s in (1, 2, 3, 4):
                         acc = 0.2 + 0.01 * seed + extra if s >= 3 else np.nan
-                        rows.append({"run": f"{arm}{sigma}{seed}", "arm": arm, "seed": seed,
-                                     "sigma": sigma, "step": s, "eval_acc": acc,
-                                     "entropy_mean": 0.3, "rescue_frac": 0.01 * sigma,
-                                     "clip_frac_low": 0.02, "steps": 4,
-                                     "complete": True})  # fmt: skip
+                        rows.append(
+                            {
+                                "run": f"{arm}{sigma}{seed}",
+                                "arm": arm,
+                                "seed": seed,
+                                "sigma": sigma,
+                                "step": s,
+                                "eval_acc": acc,
+                                "entropy_mean": 0.3,
+                                "rescue_frac": 0.01 * sigma,
+                                "clip_frac_low": 0.02,
+                                "steps": 4,
+                                "complete": True,
+                            }
+                        )
         (tmp_path / exp).mkdir()
         pd.DataFrame(rows).to_csv(tmp_path / exp / "summary.csv", index=False)
-    ep = {"metric": "eval_acc", "reduce": "last_evals", "n": 2, "test": "paired_t",
-          "predicted": "greater"}  # fmt: skip
-    prereg = {"claim": "c", "source": "s", "seeds": 3, "treatment": treat, "control": ctrl,
-              "endpoints": [{"name": f"accuracy, σ {s}", **ep, "where": {"sigma": s}}
-                            for s in (1.0, 2.0)]}  # fmt: skip
+    ep = {
+        "metric": "eval_acc",
+        "reduce": "last_evals",
+        "n": 2,
+        "test": "paired_t",
+        "predicted": "greater",
+    }
+    prereg = {
+        "claim": "c",
+        "source": "s",
+        "seeds": 3,
+        "treatment": treat,
+        "control": ctrl,
+        "endpoints": [
+            {"name": f"accuracy, σ {s}", **ep, "where": {"sigma": s}} for s in (1.0, 2.0)
+        ],
+    }
     (tmp_path / "nsr_dose" / "prereg.yaml").write_text(yaml.safe_dump(prereg))
     df = pd.concat(
         [pd.read_csv(tmp_path / e / "summary.csv") for e in ("nsr_vs_decay", "nsr_dose")]
@@ -293,11 +363,19 @@ def test_dose_response_tests_each_noise_level_as_registered(tmp_path):
     for sigma, g in gaps.items():
         assert pts.loc[sigma, "diff"] == pytest.approx(np.mean(g), abs=1e-12)
         assert pts.loc[sigma, "pairs"] == 3
-    mech = pd.DataFrame({"arm": treat, "trained": True, "sigma": [1.0, 1.0, 2.0],
-                         "oob_frac": [0.07, 0.09, 0.2], "neg_low_clip": 0.1})  # fmt: skip
+    mech = pd.DataFrame(
+        {
+            "arm": treat,
+            "trained": True,
+            "sigma": [1.0, 1.0, 2.0],
+            "oob_frac": [0.07, 0.09, 0.2],
+            "neg_low_clip": 0.1,
+        }
+    )
     mech.to_csv(tmp_path / "nsr_dose" / "mechanism.csv", index=False)
-    m = mechanism_points(tmp_path, ["nsr_vs_decay", "nsr_dose"], df, treat,
-                         [("rescue_frac", "rescued")])  # fmt: skip
+    m = mechanism_points(
+        tmp_path, ["nsr_vs_decay", "nsr_dose"], df, treat, [("rescue_frac", "rescued")]
+    )
     assert np.isnan(m.loc[0.5, "oob_frac"])  # no check recorded at σ 0.5 in this fixture
     assert m.loc[1.0, "oob_frac"] == pytest.approx(0.08) and m.loc[
         2.0, "rescue_frac"

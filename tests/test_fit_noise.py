@@ -21,9 +21,15 @@ TASK_MODEL = str(Path(fit_noise.__file__).parent / "task_models" / "1d46e5429706
 
 def test_fit_is_the_weighted_least_squares_of_the_gate():
     s = np.sqrt(2 / np.pi) * np.array([0.9, 0.5, 0.1])
-    bins = pd.DataFrame({"bin_lo": [0, 0.3, 0.7], "bin_hi": [0.3, 0.7, 1.0], "n": [10, 30, 60],
-                         "mean_abs_delta": 0.2 * s,
-                         "gate_sqrt_mean": s / np.sqrt(2 / np.pi)})  # fmt: skip
+    bins = pd.DataFrame(
+        {
+            "bin_lo": [0, 0.3, 0.7],
+            "bin_hi": [0.3, 0.7, 1.0],
+            "n": [10, 30, 60],
+            "mean_abs_delta": 0.2 * s,
+            "gate_sqrt_mean": s / np.sqrt(2 / np.pi),
+        }
+    )
     sigma, table = fit_noise.fit_logit_sigma(bins)
     assert sigma == pytest.approx(0.2) and table.ratio.to_numpy() == pytest.approx(1.0)
     bins.loc[2, "mean_abs_delta"] *= 2  # by hand: Σ n m s / Σ n s²
@@ -38,16 +44,21 @@ def test_fit_recovers_injected_logit_noise_and_the_check_reads_one(tmp_path, mon
     is within 15% of it; a measurement with the fitted noise reproduces the per-bin mean |Δ|
     (ratios ≈ 1) in every bin with enough tokens."""
     monkeypatch.setattr(fit_noise, "NOISE_DIR", tmp_path / "noise")
-    common = [*TINY, f"model.spec={TASK_MODEL}", "n=24", "alpha.mode=none", "amp_rows=0",
-              "max_new_tokens=16"]  # fmt: skip
+    common = [
+        *TINY,
+        f"model.spec={TASK_MODEL}",
+        "n=24",
+        "alpha.mode=none",
+        "amp_rows=0",
+        "max_new_tokens=16",
+    ]
     real = tmp_path / "real"
     measure.run(measure_cfg(real, *common, "noise=logit", "noise.sigma=0.05"))
     fit_noise.main(["fit", str(real), "--name", "fitted_test"])
     cfg = yaml.safe_load((tmp_path / "noise" / "fitted_test.yaml").read_text())
     assert cfg["name"] == "logit" and cfg["sigma"] == pytest.approx(0.05, rel=0.15)
     again = tmp_path / "again"
-    measure.run(measure_cfg(again, *common, "noise=logit", f"noise.sigma={cfg['sigma']}",
-                            "seed=1"))  # fmt: skip
+    measure.run(measure_cfg(again, *common, "noise=logit", f"noise.sigma={cfg['sigma']}", "seed=1"))
     fit_noise.main(["check", str(real), str(again)])
     q = pd.read_csv(again / "fit_quality.csv")
     big = q[q.n_real > 200]  # an independent sample (seed 1): per-bin means within ×1.5,

@@ -284,8 +284,8 @@ def test_fp8_fidelity_refuses_a_recipe_that_sets_the_kernel():
 
 
 def test_fp8_fidelity_cli_writes_the_json(tmp_path, capsys):
-    fid.main(["--model", "tiny-llama", "--device", "cpu", "--n", "1", "--max-new-tokens", "4",
-              "--out", str(tmp_path)])  # fmt: skip
+    args = "--model tiny-llama --device cpu --n 1 --max-new-tokens 4".split()
+    fid.main([*args, "--out", str(tmp_path)])
     out = json.loads((tmp_path / "fp8_fidelity.json").read_text())
     assert out["model"] == "tiny-llama" and out["device"] == "cpu" and out["n_layers"] == 2
     assert out["overall"]["n_tokens"] == sum(b["n_tokens"] for b in out["bins"]) > 0

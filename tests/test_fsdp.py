@@ -25,15 +25,28 @@ REPO = Path(__file__).resolve().parents[1]
 # The equality tests compare 3 steps with checkpoints at each; mechanism_batches=0 because these
 # tests are about training, resume and kills (the stock config, check on, is tested below).
 TINY = [
-    "model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2", "rollout.group_size=4",
-    "rollout.max_new_tokens=6", "eval_n=4", "eval_every=2", "progress=false",
-    "engine.device=cpu", "steps=3", "mechanism_batches=0", "checkpoint_every=1",
-]  # fmt: skip
+    "model=tiny-llama",
+    "++task.digits=1",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "eval_n=4",
+    "eval_every=2",
+    "progress=false",
+    "engine.device=cpu",
+    "steps=3",
+    "mechanism_batches=0",
+    "checkpoint_every=1",
+]
 # A new user's command: the stock config (mechanism check, evaluation, checkpoints on)
 STOCK = [
-    "model=tiny-llama", "eval_n=8", "rollout.group_size=2", "rollout.prompts_per_step=4",
-    "steps=2", "progress=false",
-]  # fmt: skip
+    "model=tiny-llama",
+    "eval_n=8",
+    "rollout.group_size=2",
+    "rollout.prompts_per_step=4",
+    "steps=2",
+    "progress=false",
+]
 LAUNCHER = """
 import torch
 from harness.tasks import Task
@@ -54,14 +67,14 @@ RUNS = {
         "engine.routing_replay=true",
         "alpha.minibatches=2",
         "alpha.staleness=1",
-    ],  # fmt: skip
+    ],
     # OPSD in micro-batches: each rank runs its own number, padded to the most any rank runs
     "opsd": [
         "objective=opsd_fkl",
         "distill.enabled=true",
         "objective.top_k=null",
         "engine.micro_batch_tokens=40",
-    ],  # fmt: skip
+    ],
 }
 
 
@@ -72,8 +85,14 @@ def launch(tmp_path: Path, ranks: int, out: Path, *overrides: str, wait: bool = 
     cmd = [sys.executable, str(script)]
     if ranks > 1:
         port = str(29500 + os.getpid() % 2000)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-               f"--master_port={port}", str(script)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={ranks}",
+            f"--master_port={port}",
+            str(script),
+        ]
     hydra_dir = Path(f"{out}_hydra")  # where Hydra's own record goes before the run adopts it
     args = [*cmd, f"out={out}", f"hydra.run.dir={hydra_dir}", *base, *overrides]
     p = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -171,12 +190,22 @@ def test_each_gpu_preset_shrunk_to_the_cpu_runs_at_world_size_two(tmp_path, name
     """A GPU preset's own config (its objective, noise, dtypes, mechanism check, evaluation,
     checkpoints), only its scale shrunk: the tiny model on a small JSONL, the CPU, 2 steps."""
     data = tmp_path / "train.jsonl"
-    rows = [{"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"} for a in range(9)
-            for b in range(9)]  # fmt: skip
+    rows = [
+        {"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}
+        for a in range(9)
+        for b in range(9)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    shrink = [f"experiment=gpu/{name}", "model.spec=tiny-llama", f"task.path={data}",
-              "engine.device=cpu", "steps=2", "rollout.max_new_tokens=8", "eval_n=4",
-              "progress=false"]  # fmt: skip
+    shrink = [
+        f"experiment=gpu/{name}",
+        "model.spec=tiny-llama",
+        f"task.path={data}",
+        "engine.device=cpu",
+        "steps=2",
+        "rollout.max_new_tokens=8",
+        "eval_n=4",
+        "progress=false",
+    ]
     out = tmp_path / "run"
     if name in REFUSED:
         p = launch(tmp_path, 2, out, base=shrink, wait=False)

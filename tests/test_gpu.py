@@ -120,9 +120,18 @@ def test_nsr_rescue_draws_do_not_depend_on_the_device():
         assert outs[0][k] == pytest.approx(outs[1][k], rel=1e-5, abs=1e-6), k
 
 
-TINY = ["model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2",
-        "rollout.group_size=4", "rollout.max_new_tokens=6", "eval_n=4", "eval_every=2",
-        "progress=false", "engine.device=cuda", "steps=2"]  # fmt: skip
+TINY = [
+    "model=tiny-llama",
+    "++task.digits=1",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "eval_n=4",
+    "eval_every=2",
+    "progress=false",
+    "engine.device=cuda",
+    "steps=2",
+]
 
 
 @pytest.mark.parametrize(
@@ -153,10 +162,18 @@ def test_train_runs_on_cuda(tmp_path, extra):
 
 def test_measure_runs_on_cuda(tmp_path):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("measure", overrides=[
-            f"out={tmp_path}", "model=tiny-llama", "rollout.group_size=2",
-            "rollout.max_new_tokens=8", "measurement.amp_rows=2", "engine.device=cuda",
-            "live.steps=1", "optim.lr=1e-3",
-        ])  # fmt: skip
+        cfg = compose(
+            "measure",
+            overrides=[
+                f"out={tmp_path}",
+                "model=tiny-llama",
+                "rollout.group_size=2",
+                "rollout.max_new_tokens=8",
+                "measurement.amp_rows=2",
+                "engine.device=cuda",
+                "live.steps=1",
+                "optim.lr=1e-3",
+            ],
+        )
     measure.run(cfg)
     assert (tmp_path / "table6.csv").exists() and (tmp_path / "summary.json").exists()

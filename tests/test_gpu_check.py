@@ -73,13 +73,18 @@ def test_summary_verdict_and_the_log_of_a_killed_run(tmp_path):
                 "work": {"prompts": 8},
                 "results": [
                     {"model": "task-model", "dtype": "fp32", "device": "cpu", "median_s": 2.0},
-                    {"model": "task-model", "dtype": "fp32", "device": "cuda", "median_s": 0.5,
-                     "max_memory_gb": 1.234},
+                    {
+                        "model": "task-model",
+                        "dtype": "fp32",
+                        "device": "cuda",
+                        "median_s": 0.5,
+                        "max_memory_gb": 1.234,
+                    },
                 ],
                 "ratio_cpu_over_cuda": {"task-model/fp32": 4.0},
             }
         )
-    )  # fmt: skip
+    )
     stages = tmp_path / "stages.tsv"
     stages.write_text("gpu_tests\t1\t12\t\ndevice_tests\t124\t100\ttimed out after 100s\n")
     r = summarize.summarize(out, stages, None, ("gpu_tests", "device_tests"), logs)
@@ -87,13 +92,18 @@ def test_summary_verdict_and_the_log_of_a_killed_run(tmp_path):
     dev = r["tests"]["device_tests"]
     assert not dev["present"] and dev["from_log"]
     assert (dev["passed"], dev["failed"], dev["unfinished"]) == (
-        1, 1, "tests/test_train.py::test_resume[cuda-nsr]"
-    )  # fmt: skip
+        1,
+        1,
+        "tests/test_train.py::test_resume[cuda-nsr]",
+    )
     assert r["tests_total"] == {"passed": 3, "failed": 2, "errors": 1, "skipped": 1}
     assert "tests/test_noise.py::test_b[cuda-fp8]" in r["failing"]
     assert r["stages"]["device_tests"] == {
-        "rc": 124, "wall_s": 100.0, "timed_out": True, "note": "timed out after 100s"
-    }  # fmt: skip
+        "rc": 124,
+        "wall_s": 100.0,
+        "timed_out": True,
+        "note": "timed out after 100s",
+    }
     assert r["bench"]["median_step_s"] == {"task-model/fp32/cpu": 2.0, "task-model/fp32/cuda": 0.5}
     assert r["bench"]["ratio_cpu_over_cuda"] == {"task-model/fp32": 4.0}
     assert r["bench"]["max_memory_gb"] == {"task-model/fp32": 1.23}
@@ -110,16 +120,26 @@ def test_summary_ok_when_everything_passed(tmp_path):
     (tmp_path / "fp8_fidelity").mkdir()
     fid = {
         "bins": [
-            {"bin": "[0, 0.5)", "n_tokens": 3, "mean_abs_delta_emulated": 0.02,
-             "mean_abs_delta_scaled_mm": 0.03, "ratio_scaled_mm_over_emulated": 1.5,
-             "mean_abs_scaled_mm_minus_emulated": 0.011},
-            {"bin": "[0.5, 1]", "n_tokens": 0, "mean_abs_delta_emulated": None,
-             "mean_abs_delta_scaled_mm": None, "ratio_scaled_mm_over_emulated": None,
-             "mean_abs_scaled_mm_minus_emulated": None},
+            {
+                "bin": "[0, 0.5)",
+                "n_tokens": 3,
+                "mean_abs_delta_emulated": 0.02,
+                "mean_abs_delta_scaled_mm": 0.03,
+                "ratio_scaled_mm_over_emulated": 1.5,
+                "mean_abs_scaled_mm_minus_emulated": 0.011,
+            },
+            {
+                "bin": "[0.5, 1]",
+                "n_tokens": 0,
+                "mean_abs_delta_emulated": None,
+                "mean_abs_delta_scaled_mm": None,
+                "ratio_scaled_mm_over_emulated": None,
+                "mean_abs_scaled_mm_minus_emulated": None,
+            },
         ],
         "overall": {"n_tokens": 3, "ratio_scaled_mm_over_emulated": 1.5},
         "device": "NVIDIA H200 (capability 9.0)",
-    }  # fmt: skip
+    }
     (tmp_path / "fp8_fidelity" / "fp8_fidelity.json").write_text(json.dumps(fid))
     (tmp_path / "fp8_fidelity" / "other.json").write_text('{"x": 1}')
     stages = tmp_path / "stages.tsv"
@@ -127,8 +147,12 @@ def test_summary_ok_when_everything_passed(tmp_path):
     stages.write_text("gpu_tests\t0\t5\t\nvllm\tabsent\t0\tno Python with vLLM\n")
     r = summarize.summarize(tmp_path, stages, None, ("gpu_tests",))
     assert r["ok"] is True and r["tests_total"]["passed"] == 1
-    assert r["stages"]["vllm"] == {"rc": "absent", "wall_s": 0.0, "timed_out": False,
-                                   "note": "no Python with vLLM"}  # fmt: skip
+    assert r["stages"]["vllm"] == {
+        "rc": "absent",
+        "wall_s": 0.0,
+        "timed_out": False,
+        "note": "no Python with vLLM",
+    }
     skipped = tmp_path / "skipped.tsv"
     skipped.write_text("gpu_tests\t0\t5\t\nbench\tskipped\t0\tno time left\n")
     assert summarize.summarize(tmp_path, skipped, None, ("gpu_tests",))["ok"] is False
@@ -136,11 +160,21 @@ def test_summary_ok_when_everything_passed(tmp_path):
     assert f["files"] == ["fp8_fidelity.json", "other.json"] and f["other"] == {"x": 1}
     assert f["fp8_fidelity"]["device"] == "NVIDIA H200 (capability 9.0)"
     assert f["fp8_fidelity"]["per_bin"] == {
-        "[0, 0.5)": {"n": 3, "abs_d_emulated": 0.02, "abs_d_real": 0.03,
-                     "real_over_emulated": 1.5, "abs_real_minus_emulated": 0.011},
-        "[0.5, 1]": {"n": 0, "abs_d_emulated": None, "abs_d_real": None,
-                     "real_over_emulated": None, "abs_real_minus_emulated": None},
-    }  # fmt: skip
+        "[0, 0.5)": {
+            "n": 3,
+            "abs_d_emulated": 0.02,
+            "abs_d_real": 0.03,
+            "real_over_emulated": 1.5,
+            "abs_real_minus_emulated": 0.011,
+        },
+        "[0.5, 1]": {
+            "n": 0,
+            "abs_d_emulated": None,
+            "abs_d_real": None,
+            "real_over_emulated": None,
+            "abs_real_minus_emulated": None,
+        },
+    }
     assert f["fp8_fidelity"]["overall"] == {"n": 3, "real_over_emulated": 1.5}
     assert "FP8 real/emulated |Δ| overall 1.5" in summarize.headline(r)
     # every test skipped (no CUDA) is not a pass
@@ -153,11 +187,9 @@ def test_summary_ok_when_everything_passed(tmp_path):
 
 def test_summary_cli_writes_summary_json(tmp_path):
     (tmp_path / "gpu_tests.xml").write_text(JUNIT)
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/gpu/summarize.py"), "summary", "--out",
-         str(tmp_path), "--tests", "gpu_tests,device_tests"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+    cli = [sys.executable, str(ROOT / "scripts/gpu/summarize.py"), "summary"]
+    args = [*cli, "--out", str(tmp_path), "--tests", "gpu_tests,device_tests"]
+    p = subprocess.run(args, capture_output=True, text=True, check=True)
     r = json.loads((tmp_path / "summary.json").read_text())
     assert r["tests"]["device_tests"] == {"present": False} and r["ok"] is False
     assert p.stdout.strip().splitlines()[-1].startswith("gpu_check ok=False: tests 2 passed")

@@ -157,9 +157,16 @@ def test_launchers_for_the_gpu_presets(name):
     assert la["cpus_per_task"] == 8 and la["mem_gb"] >= 32 and la["timeout_min"] >= 240
     assert "export OMP_NUM_THREADS=8" in la["setup"] and la["max_num_timeout"] > 0
     assert h["callbacks"]["slurm_guard"]["_target_"] == "harness.runs.launch.SlurmGuard"
-    typed = launcher(name, job, [*data, "hydra/launcher=slurm_gpu",
-                                 "hydra.launcher.gres=gpu:h100:1",
-                                 "hydra.launcher.gpus_per_node=null"])["launcher"]  # fmt: skip
+    typed = launcher(
+        name,
+        job,
+        [
+            *data,
+            "hydra/launcher=slurm_gpu",
+            "hydra.launcher.gres=gpu:h100:1",
+            "hydra.launcher.gpus_per_node=null",
+        ],
+    )["launcher"]
     assert typed["gres"] == "gpu:h100:1" and typed["gpus_per_node"] is None
     # one GPU, no Slurm: the local launcher one run at a time
     la = launcher(name, job, [*data, "hydra/launcher=local", "hydra.launcher.n_jobs=1"])["launcher"]
@@ -185,10 +192,15 @@ def test_real_fp8_entropy_surge_arms_are_told_apart(tmp_path):
     declares or (a run made before configs held them) the CPU preset's."""
     from analysis.runs import arm_label
 
-    for source, label in [("sampler", "π_old := μ (std clip)"),
-                          ("trainer", "π_old recomputed (std clip)")]:  # fmt: skip
-        overrides = ["experiment=gpu/fp8_entropy_surge", "task.path=/data/x.jsonl",
-                     f"engine.logp_old_source={source}"]  # fmt: skip
+    for source, label in [
+        ("sampler", "π_old := μ (std clip)"),
+        ("trainer", "π_old recomputed (std clip)"),
+    ]:
+        overrides = [
+            "experiment=gpu/fp8_entropy_surge",
+            "task.path=/data/x.jsonl",
+            f"engine.logp_old_source={source}",
+        ]
         run = OmegaConf.to_container(load("train", overrides, tmp_path)[0], resolve=True)
         assert arm_label("fp8_entropy_surge", run) == label
         del run["arms"]

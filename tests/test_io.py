@@ -16,8 +16,10 @@ def umask():
     os.umask(old)
 
 
-@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700),
-                                                      (0o002, 0o664, 0o775)])  # fmt: skip
+@pytest.mark.parametrize(
+    "mask, file_mode, dir_mode",
+    [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700), (0o002, 0o664, 0o775)],
+)
 def test_results_take_the_umask_mode(tmp_path, umask, mask, file_mode, dir_mode):
     umask(mask)
     text = write_text_atomic(tmp_path / "a" / "config.yaml", "x: 1\n")

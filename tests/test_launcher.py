@@ -10,9 +10,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # evaluation off: these test the launcher; test_train runs the default
 TINY = [
-    "model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2", "rollout.group_size=4",
-    "rollout.max_new_tokens=6", "eval_n=4", "eval_every=0", "progress=false", "steps=2",
-]  # fmt: skip
+    "model=tiny-llama",
+    "++task.digits=1",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "eval_n=4",
+    "eval_every=0",
+    "progress=false",
+    "steps=2",
+]
 
 
 def _sweep(tmp_path, *overrides):
@@ -64,9 +71,18 @@ def test_jobs_run_n_at_a_time_with_their_threads(tmp_path, n_jobs, threads):
     """A 4-s job twice: with n_jobs=2 the two run at once in two workers, with n_jobs=1 one
     after the other; each computes with `threads` intra-op threads and OMP_NUM_THREADS set."""
     (tmp_path / "app.py").write_text(APP)
-    cmd = [sys.executable, "app.py", "-m", "hydra/launcher=local", "+i=0,1", "+fail=-1",
-           f"+out={tmp_path}", f"hydra.sweep.dir={tmp_path}/sweep",
-           f"hydra.launcher.n_jobs={n_jobs}", f"hydra.launcher.threads={threads}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "app.py",
+        "-m",
+        "hydra/launcher=local",
+        "+i=0,1",
+        "+fail=-1",
+        f"+out={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        f"hydra.launcher.n_jobs={n_jobs}",
+        f"hydra.launcher.threads={threads}",
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     a, b = (json.loads((tmp_path / f"{i}.json").read_text()) for i in (0, 1))
@@ -79,8 +95,16 @@ def test_jobs_run_n_at_a_time_with_their_threads(tmp_path, n_jobs, threads):
 @pytest.mark.slow
 def test_a_failing_job_fails_the_sweep_and_the_others_still_run(tmp_path):
     (tmp_path / "app.py").write_text(APP)
-    cmd = [sys.executable, "app.py", "-m", "hydra/launcher=local", "+i=0,1", "+fail=0",
-           f"+out={tmp_path}", f"hydra.sweep.dir={tmp_path}/sweep"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "app.py",
+        "-m",
+        "hydra/launcher=local",
+        "+i=0,1",
+        "+fail=0",
+        f"+out={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+    ]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode != 0 and "job 0 failed on purpose" in r.stderr
     assert (tmp_path / "1.json").exists()
@@ -101,8 +125,17 @@ def test_killing_the_driver_stops_its_workers(tmp_path):
     import time
 
     (tmp_path / "app.py").write_text(APP)
-    cmd = [sys.executable, "app.py", "-m", "hydra/launcher=local", "+i=0,1", "+fail=-1",
-           "+sleep=60", f"+out={tmp_path}", f"hydra.sweep.dir={tmp_path}/sweep"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "app.py",
+        "-m",
+        "hydra/launcher=local",
+        "+i=0,1",
+        "+fail=-1",
+        "+sleep=60",
+        f"+out={tmp_path}",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+    ]
     driver = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.DEVNULL)
     pids = [tmp_path / f"{i}.pid" for i in (0, 1)]
     deadline = time.time() + 60

@@ -163,8 +163,8 @@ def test_no_tracked_file_is_one_the_repository_ignores():
     repository's, so it is left out of the check."""
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    cmd = ["git", "--no-optional-locks", "-c", "core.excludesFile=/dev/null", "-C", str(ROOT),
-           "ls-files", "--cached", "--ignored", "--exclude-standard"]  # fmt: skip
+    git = ["git", "--no-optional-locks", "-c", "core.excludesFile=/dev/null", "-C", str(ROOT)]
+    cmd = [*git, "ls-files", "--cached", "--ignored", "--exclude-standard"]
     files = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
     assert files == [], f"{len(files)} tracked files the repository ignores, e.g. {files[:3]}"
 

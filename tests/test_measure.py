@@ -71,8 +71,15 @@ def test_the_nodes_shared_with_training_are_training_s(tmp_path):
     assert set(cfg.optim) == {f.name for f in fields(OptimCfg)}
     assert cfg.rollout.group_size == 3 and cfg.objective.name == "cispo"
     assert measure.sampling(cfg).n == 3
-    for stale in ("n=2", "alpha.mode=none", "amp_rows=0", "kv_cache=false", "sampler_noise=[]",
-                  "rounds=2", "max_new_tokens=8"):  # fmt: skip
+    for stale in (
+        "n=2",
+        "alpha.mode=none",
+        "amp_rows=0",
+        "kv_cache=false",
+        "sampler_noise=[]",
+        "rounds=2",
+        "max_new_tokens=8",
+    ):
         with pytest.raises(ConfigCompositionException):
             _cfg(tmp_path, stale)
 
@@ -84,10 +91,17 @@ def test_experiment_on_the_command_line_points_at_the_measure_group():
 
 
 def test_presets_are_the_measure_group(tmp_path):
-    presets = sorted(p.relative_to(MEASURE).with_suffix("").as_posix()
-                     for p in MEASURE.rglob("*.yaml"))  # fmt: skip
-    assert presets == ["gpu/snr_table", "noise_anatomy", "precision_beta", "real_engine_beta",
-                       "real_engine_beta_vllm", "snr_table"]  # fmt: skip
+    presets = sorted(
+        p.relative_to(MEASURE).with_suffix("").as_posix() for p in MEASURE.rglob("*.yaml")
+    )
+    assert presets == [
+        "gpu/snr_table",
+        "noise_anatomy",
+        "precision_beta",
+        "real_engine_beta",
+        "real_engine_beta_vllm",
+        "snr_table",
+    ]
     for name in presets:
         assert not (MEASURE.parent / "experiment" / f"{name}.yaml").exists()
         text = (MEASURE / f"{name}.yaml").read_text()
@@ -99,9 +113,11 @@ def test_presets_are_the_measure_group(tmp_path):
 def test_the_job_writes_data_and_prints_the_figure_commands(tmp_path):
     cmds = measure.figure_commands(tmp_path, "smollm2-135m")
     assert [c.split()[2] for c in cmds] == [
-        "analysis.noise_anatomy", "analysis.snr_table", "analysis.layer_amplification",
+        "analysis.noise_anatomy",
+        "analysis.snr_table",
+        "analysis.layer_amplification",
         "analysis.real_engine_beta",
-    ]  # fmt: skip
+    ]
     assert len(measure.figure_commands(tmp_path, "tiny-llama")) == 3
     inside = measure.REAL_ENGINE / "engine.ct2.compute_type=float32"
     assert len(measure.figure_commands(inside, "smollm2-135m")) == 3  # drawn by real_engine_beta
@@ -253,8 +269,9 @@ def test_measure_refuses_to_overwrite_committed_results(tmp_path):
         ("engine.micro_batch_tokens=0", "engine.micro_batch_tokens"),
     ],
 )
-def test_device_and_dtype_errors_come_before_any_model_is_loaded(tmp_path, monkeypatch, override,
-                                                                 key):  # fmt: skip
+def test_device_and_dtype_errors_come_before_any_model_is_loaded(
+    tmp_path, monkeypatch, override, key
+):
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the config was checked")
 

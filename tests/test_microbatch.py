@@ -92,8 +92,12 @@ def parts_seen(monkeypatch):
 def objective_overrides(name: str) -> list[str]:
     """Each objective set so that its decisions (clip, clamp, rejection) bind on some tokens."""
     if name == "opsd_fkl":
-        return ["objective=opsd_fkl", "distill.enabled=true", "objective.top_k=null",
-                "objective.tau=5e-4"]  # fmt: skip
+        return [
+            "objective=opsd_fkl",
+            "distill.enabled=true",
+            "objective.top_k=null",
+            "objective.tau=5e-4",
+        ]
     if name == "calibrated_clip":  # calibrates at step 1 (every 20 steps)
         return ["objective=calibrated_clip", "engine.logp_old_source=sampler"]
     if name == "snr_adaptive":  # records the training tokens' α + β (its state)
@@ -382,8 +386,12 @@ def test_activation_checkpointing_replays_the_routes_in_the_recomputation(tiny_m
     model, tok, ro = routed(tiny_moe)
     rows = torch.tensor([4, 1, 2])
     plain = Engine(copy.deepcopy(model).train(), tok, noise=[build_noise("replay")])
-    ckpt = Engine(copy.deepcopy(model).train(), tok, noise=[build_noise("replay")],
-                  activation_checkpointing=True)  # fmt: skip
+    ckpt = Engine(
+        copy.deepcopy(model).train(),
+        tok,
+        noise=[build_noise("replay")],
+        activation_checkpointing=True,
+    )
     calls = counted_calls(ckpt.model.model.layers[0].mlp.gate)
     assert_same_grads(grads_of(ckpt, ro, rows), grads_of(plain, ro, rows))
     assert calls[0] == 2 and ckpt._noise_of(type(build_noise("replay"))).indices is None
@@ -394,8 +402,12 @@ def test_the_replayed_routes_are_what_makes_the_recomputation_right(tiny_moe, mo
     by the trainer's own gate, a different function of θ."""
     model, tok, ro = routed(tiny_moe)
     plain = Engine(copy.deepcopy(model).train(), tok, noise=[build_noise("replay")])
-    ckpt = Engine(copy.deepcopy(model).train(), tok, noise=[build_noise("replay")],
-                  activation_checkpointing=True)  # fmt: skip
+    ckpt = Engine(
+        copy.deepcopy(model).train(),
+        tok,
+        noise=[build_noise("replay")],
+        activation_checkpointing=True,
+    )
     real = harness.sampling.engines._as_in_forward
     monkeypatch.setattr(
         harness.sampling.engines, "_as_in_forward", lambda ctx, routes: real(ctx, [])
@@ -426,9 +438,20 @@ def test_activation_checkpointing_with_the_fp8_trainer(tiny_llama):
 def test_checkpointing_and_micro_batches_through_the_loop(tmp_path, alternating_reward):
     """engine.activation_checkpointing with micro-batches on tiny-moe with R3, as a run sets
     them: the step equals the plain one-shot step."""
-    over = ["model=tiny-moe", "noise=routing", "++noise.sigma=0.5", "engine.routing_replay=true",
-            "alpha.minibatches=2"]  # fmt: skip
+    over = [
+        "model=tiny-moe",
+        "noise=routing",
+        "++noise.sigma=0.5",
+        "engine.routing_replay=true",
+        "alpha.minibatches=2",
+    ]
     whole = one_step(_cfg(tmp_path / "whole", *over))
-    micro = one_step(_cfg(tmp_path / "micro", *over, f"engine.micro_batch_tokens={BUDGET}",
-                          "engine.activation_checkpointing=true"))  # fmt: skip
+    micro = one_step(
+        _cfg(
+            tmp_path / "micro",
+            *over,
+            f"engine.micro_batch_tokens={BUDGET}",
+            "engine.activation_checkpointing=true",
+        )
+    )
     assert_same_step(micro, whole)

@@ -600,8 +600,11 @@ def test_fp8_trainer_forward_equals_the_fp8_sampler_and_its_gradient_goes_straig
         def ste(module, args):
             return (acts.qdq_act(args[0].detach(), 0) + (args[0] - args[0].detach()),)
 
-        hooks = [m.register_forward_pre_hook(ste) for name, m in ref.named_modules()
-                 if name.rsplit(".", 1)[-1] in acts.modules]  # fmt: skip
+        hooks = [
+            m.register_forward_pre_hook(ste)
+            for name, m in ref.named_modules()
+            if name.rsplit(".", 1)[-1] in acts.modules
+        ]
     ref(x).logits.square().mean().backward()
     for h in hooks:
         h.remove()
@@ -775,15 +778,18 @@ def test_position_noise_sigma_zero_is_bit_identical_and_sigma_scales_every_posit
 @pytest.mark.parametrize(
     "kw,match",
     [
-        ({"lenght": 3}, r"noise 'position': unknown argument\(s\) \['lenght'\]; valid: \['sigma', "
-                        r"'length', 'power', 'nu', 'seed', 'deterministic'\]"),
+        (
+            {"lenght": 3},
+            r"noise 'position': unknown argument\(s\) \['lenght'\]; valid: \['sigma', "
+            r"'length', 'power', 'nu', 'seed', 'deterministic'\]",
+        ),
         ({"length": 0}, r"position noise: length must be > 0 \(tokens.*\), got 0"),
         ({"power": -1}, r"position noise: power must be >= 0 .*got -1"),
         ({"sigma": -0.1}, r"position noise: sigma must be >= 0, got -0.1"),
         ({"sigma": float("nan")}, r"position noise: sigma must be >= 0, got nan"),
         ({"nu": 0}, r"position noise: nu \(degrees of freedom\) must be > 0, got 0"),
     ],
-)  # fmt: skip
+)
 def test_position_noise_bad_kwargs_name_the_key_the_value_and_what_is_valid(kw, match):
     with pytest.raises((TypeError, ValueError), match=match):
         build_noise("position", **kw)

@@ -67,9 +67,21 @@ def random_batch(B=6, T=9, seed=0, spread=0.3, n_pad=3, entropy=True):
 
 def test_registry_keys():
     assert set(OBJECTIVES) == {
-        "ppo_clip", "gspo", "tis", "mis", "cispo", "band", "dppo_tv", "snr_shrink", "nsr",
-        "calibrated_clip", "cis", "stapo", "opsd_fkl", "grid",
-    }  # fmt: skip
+        "ppo_clip",
+        "gspo",
+        "tis",
+        "mis",
+        "cispo",
+        "band",
+        "dppo_tv",
+        "snr_shrink",
+        "nsr",
+        "calibrated_clip",
+        "cis",
+        "stapo",
+        "opsd_fkl",
+        "grid",
+    }
     assert set(AGGREGATIONS) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
 
 
@@ -248,9 +260,11 @@ def test_stapo_by_hand():
     # low-p token are kept. r = 1: kept losses [-1, -1, +1], normalised by Σ I = 3 (not 6).
     p = [0.001, 0.001, 0.001, 0.001, 0.5, 0.001]
     b = make(
-        [[L(x) for x in p]], [[L(x) for x in p]], [[1, 1, 1, 1, 1, -1]],
+        [[L(x) for x in p]],
+        [[L(x) for x in p]],
+        [[1, 1, 1, 1, 1, -1]],
         entropy=[[0.1, 0.2, 0.3, 0.4, 0.1, 0.1]],
-    )  # fmt: skip
+    )
     loss, grad, m = run(build_objective("stapo"), [[L(x) for x in p]], b)
     assert m["mask/frac"] == pytest.approx(0.5)
     torch.testing.assert_close(grad, t([[0, 0, 0, -1 / 3, -1 / 3, 1 / 3]]))  # Σ I = 3 kept
@@ -283,24 +297,46 @@ PPO = dict(lo=0.8, hi=1.28)
 GRID_POINTS = [
     ("ppo_clip", {}, {}),
     ("ppo_clip", dict(c=3.0), dict(c=3.0)),
-    ("gspo", {}, dict(level="geometric", lo=1 - 3e-4, hi=1 + 4e-4,
-                      aggregation="seq-mean-token-mean")),
-    ("tis", dict(level="sequence"),
-     dict(corrections=[dict(kind="ratio", ratio="ti", level="sequence", hi=2.0)])),
-    ("mis", dict(ratio="folded"),
-     dict(corrections=[dict(kind="ratio", ratio="folded", treatment="mask", lo=0.5)])),
+    (
+        "gspo",
+        {},
+        dict(level="geometric", lo=1 - 3e-4, hi=1 + 4e-4, aggregation="seq-mean-token-mean"),
+    ),
+    (
+        "tis",
+        dict(level="sequence"),
+        dict(corrections=[dict(kind="ratio", ratio="ti", level="sequence", hi=2.0)]),
+    ),
+    (
+        "mis",
+        dict(ratio="folded"),
+        dict(corrections=[dict(kind="ratio", ratio="folded", treatment="mask", lo=0.5)]),
+    ),
     ("mis", dict(reweight=True), dict(corrections=[dict(kind="ratio", treatment="pop", lo=0.5)])),
     ("cispo", {}, dict(treatment="clamp", lo=0.0, hi=5.0)),
     ("band", {}, dict(ratio="folded", treatment="band", lo=0.7, hi=6.0)),
-    ("dppo_tv", {}, dict(ratio="folded", treatment="clamp", lo=0.0, hi=math.inf,
-                         corrections=[dict(kind="tv")])),
-    ("dppo_tv", dict(ratio="trust", c=2.0, two_sided=True),
-     dict(treatment="clamp", lo=0.0, hi=2.0, corrections=[dict(kind="tv", ratio="trust",
-                                                               two_sided=True)])),
+    (
+        "dppo_tv",
+        {},
+        dict(ratio="folded", treatment="clamp", lo=0.0, hi=math.inf, corrections=[dict(kind="tv")]),
+    ),
+    (
+        "dppo_tv",
+        dict(ratio="trust", c=2.0, two_sided=True),
+        dict(
+            treatment="clamp",
+            lo=0.0,
+            hi=2.0,
+            corrections=[dict(kind="tv", ratio="trust", two_sided=True)],
+        ),
+    ),
     ("cis", dict(lam=1.5), dict(**PPO, corrections=[dict(kind="cis", lam=1.5)])),
-    ("stapo", dict(tau_p=0.3), dict(**PPO, rejected_in_denominator=False,
-                                    corrections=[dict(kind="s2t", tau_p=0.3)])),
-]  # fmt: skip
+    (
+        "stapo",
+        dict(tau_p=0.3),
+        dict(**PPO, rejected_in_denominator=False, corrections=[dict(kind="s2t", tau_p=0.3)]),
+    ),
+]
 
 
 @pytest.mark.parametrize("name, kw, grid_kw", GRID_POINTS)
@@ -396,9 +432,12 @@ def test_token_mean_invariant_to_extra_padding(name):
     pad = lambda x, v: torch.cat([x, v * torch.ones(x.shape[0], 4)], 1)  # noqa: E731
     junk = lambda x: torch.cat([x, torch.randn(x.shape[0], 4, generator=g)], 1)  # noqa: E731
     padded = make(
-        junk(b.logp_old), pad(b.logp_mu, -math.inf), junk(b.advantages), pad(b.mask, 0.0),
+        junk(b.logp_old),
+        pad(b.logp_mu, -math.inf),
+        junk(b.advantages),
+        pad(b.mask, 0.0),
         entropy=junk(b.entropy),
-    )  # fmt: skip
+    )
     loss2, grad2, _ = run(obj(), junk(logp), padded)
     assert loss2 == pytest.approx(loss, abs=1e-6)
     torch.testing.assert_close(grad2[:, :-4], grad)

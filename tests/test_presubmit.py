@@ -19,28 +19,41 @@ def _sweep(tmp_path, *overrides):
     (submitit's executor looks for srun before it submits): no Slurm cluster is needed."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, body in [("sbatch", f"echo called >> {tmp_path}/sbatch-calls\nexit 1"),
-                       ("srun", "exit 1")]:  # fmt: skip
+    for name, body in [
+        ("sbatch", f"echo called >> {tmp_path}/sbatch-calls\nexit 1"),
+        ("srun", "exit 1"),
+    ]:
         fake = bin_dir / name
         fake.write_text(f"#!/bin/sh\n{body}\n")
         fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
     args = ["-m", "hydra/launcher=slurm", *TINY, f"hydra.sweep.dir={tmp_path}/sweep", *overrides]
-    r = subprocess.run([sys.executable, "-m", "harness.train", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "harness.train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return r, (tmp_path / "sbatch-calls").exists()
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.group_size=4,1"],
-         "sweep point 2 of 2 (.*rollout.group_size=1.*): ValueError: rollout.group_size=1; valid"),
-        (["task=hf", "~task.digits", "task.path=nope.jsonl,also-missing.parquet"],
-         "sweep point 1 of 2 .*task.path='nope.jsonl': not a file or folder here"),
+        (
+            ["rollout.group_size=4,1"],
+            "sweep point 2 of 2 (.*rollout.group_size=1.*): ValueError: "
+            "rollout.group_size=1; valid",
+        ),
+        (
+            ["task=hf", "~task.digits", "task.path=nope.jsonl,also-missing.parquet"],
+            "sweep point 1 of 2 .*task.path='nope.jsonl': not a file or folder here",
+        ),
         (["seed=0,1", "objective.eps_hgh=0.3"], "sweep point 1 of 2 .*eps_hgh"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_sweep_point_never_reaches_sbatch(tmp_path, overrides, message):
     r, submitted = _sweep(tmp_path, *overrides)
     assert r.returncode != 0 and not submitted

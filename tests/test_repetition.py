@@ -187,8 +187,10 @@ def test_copy_mask_and_exit_mass_split_by_hand():
     assert out["noncopy"]["ratio"] == pytest.approx(0.75)
     assert repetition_report([1, 2, 3])["copy_mask"] == [False] * 3
     # overlapping segments (s, e, ℓ) = (0, 5, 2) and (4, 9, 2): positions 2..9, each once
-    assert copy_mask([{"start": 0, "end": 5, "period": 2}, {"start": 4, "end": 9, "period": 2}],
-                     10) == [False, False] + [True] * 8  # fmt: skip
+    assert (
+        copy_mask([{"start": 0, "end": 5, "period": 2}, {"start": 4, "end": 9, "period": 2}], 10)
+        == [False, False] + [True] * 8
+    )
     assert np.isnan(exit_mass_split([0.5], [0.5], [False])["copy"]["ratio"])  # no copy position
 
 

@@ -218,13 +218,19 @@ def test_killed_job_fails_the_driver_fast_and_cancels_the_rest(cluster, tmp_path
 
 @pytest.mark.slurm
 def test_a_bad_sweep_point_is_refused_before_anything_is_submitted(cluster, tmp_path):
-    before = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-1hour"],
-                            capture_output=True, text=True).stdout.split()  # fmt: skip
+    before = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-1hour"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     r = run_driver(driver(tmp_path, "advantage=grpo,bogus", steps=2), 120)
     assert r.returncode != 0 and "Nothing was submitted" in r.stderr, r.stdout + r.stderr
     assert "advantage='bogus'" in r.stderr and not list(tmp_path.glob("*/meta.json"))
-    after = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-1hour"],
-                           capture_output=True, text=True).stdout.split()  # fmt: skip
+    after = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-1hour"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert after == before  # no job, not even the good point's
 
 

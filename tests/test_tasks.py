@@ -189,8 +189,12 @@ def test_hf_parquet_math_layout_and_eval_path(tmp_path):
     rows = [{"problem": f"p{i}", "solution": rf"so \boxed{{\frac{{{i}}}{{2}}}}"} for i in range(5)]
     pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
     pd.DataFrame(rows[:2]).to_parquet(tmp_path / "test.parquet")
-    t = task("hf", path=str(tmp_path / "train.parquet"), eval_path=str(tmp_path / "test.parquet"),
-             layout="math")  # fmt: skip
+    t = task(
+        "hf",
+        path=str(tmp_path / "train.parquet"),
+        eval_path=str(tmp_path / "test.parquet"),
+        layout="math",
+    )
     assert len(t.splits["train"]) == 5 and [p.prompt for p in t.splits["eval"]] == ["p0", "p1"]
     p = t.splits["eval"][1]
     assert p.answer == r"\frac{1}{2}" and t.reward(p, "0.5") == 1.0
@@ -198,10 +202,16 @@ def test_hf_parquet_math_layout_and_eval_path(tmp_path):
 
 def test_hf_dapo_layout_from_a_save_to_disk_folder(tmp_path):
     datasets = pytest.importorskip("datasets")
-    rows = [{"prompt": [{"role": "system", "content": "be brief"},
-                        {"role": "user", "content": f"What is {i} + {i}?"}],
-             "reward_model": {"ground_truth": str(2 * i), "style": "rule"}}
-            for i in range(4)]  # fmt: skip
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": f"What is {i} + {i}?"},
+            ],
+            "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+        }
+        for i in range(4)
+    ]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "dapo"))
     t = task("hf", path=str(tmp_path / "dapo"), layout="dapo", eval_frac=0.25)
     p = next(q for q in t.splits["train"] + t.splits["eval"] if q.prompt == "What is 3 + 3?")
@@ -226,13 +236,16 @@ def test_a_malformed_row_names_file_line_and_field(tmp_path, bad, message):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"path": "no/such/dataset"}, r"task.path='no/such/dataset': not a file or folder here, "
-                                      "and not a dataset in the local HF cache"),
+        (
+            {"path": "no/such/dataset"},
+            r"task.path='no/such/dataset': not a file or folder here, "
+            "and not a dataset in the local HF cache",
+        ),
         ({"layout": "gsm9k"}, r"task.layout='gsm9k'; valid: gsm8k, math, dapo"),
         ({"grader": "exact"}, r"task.grader='exact'; valid: math_verify, last_number"),
         ({"eval_frac": 1.0}, r"task.eval_frac=1.0; valid: 0 < eval_frac < 1"),
     ],
-)  # fmt: skip
+)
 def test_bad_dataset_settings_name_key_value_and_what_is_valid(tmp_path, kw, message):
     kw = {"path": str(write_jsonl(tmp_path / "d.jsonl", GSM[:4])), **kw}
     with pytest.raises(ValueError, match=message):

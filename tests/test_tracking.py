@@ -10,9 +10,19 @@ from harness import train
 from harness.runs.tracking import ALIASES, aliased, plain_line, scalars
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
-TINY = ["model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2",
-        "rollout.group_size=4", "rollout.max_new_tokens=6", "eval_n=4", "eval_every=2",
-        "progress=false", "engine.device=cpu", "noise=logit", "noise.sigma=0.3"]  # fmt: skip
+TINY = [
+    "model=tiny-llama",
+    "++task.digits=1",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "eval_n=4",
+    "eval_every=2",
+    "progress=false",
+    "engine.device=cpu",
+    "noise=logit",
+    "noise.sigma=0.3",
+]
 
 
 def _run(tmp_path, *overrides):
@@ -63,8 +73,20 @@ def test_wandb_offline_writes_its_run_in_the_run_folder(tmp_path, monkeypatch):
 
 
 def test_plain_line_and_scalars_by_hand():
-    m = {"step": 10, "reward/mean": 0.125, "entropy/mean": 0.3414, "time/step_s": 2.9,
-         "identity/ok": True, "note": "x"}  # fmt: skip
+    m = {
+        "step": 10,
+        "reward/mean": 0.125,
+        "entropy/mean": 0.3414,
+        "time/step_s": 2.9,
+        "identity/ok": True,
+        "note": "x",
+    }
     assert plain_line(m, 300) == "step 10/300  reward 0.125  entropy 0.341  2.9 s/step"
-    assert scalars(m) == {"reward/mean": 0.125, "entropy/mean": 0.3414, "time/step_s": 2.9,
-                          "identity/ok": 1.0, "reward": 0.125, "entropy": 0.3414}  # fmt: skip
+    assert scalars(m) == {
+        "reward/mean": 0.125,
+        "entropy/mean": 0.3414,
+        "time/step_s": 2.9,
+        "identity/ok": 1.0,
+        "reward": 0.125,
+        "entropy": 0.3414,
+    }

@@ -73,8 +73,13 @@ def objective_overrides(name: str) -> list[str]:
     if name == "calibrated_clip":  # its low-precision π_old is μ, its high-precision the trainer
         return ["objective=calibrated_clip", "engine.logp_old_source=sampler"]
     if name == "snr_adaptive":  # refreshes at step 4 from steps 1-3's tokens (across a resume)
-        return ["objective=snr_shrink", "objective.adaptive=true", "objective.every=3",
-                "noise=logit", "++noise.sigma=0.5"]  # fmt: skip
+        return [
+            "objective=snr_shrink",
+            "objective.adaptive=true",
+            "objective.every=3",
+            "noise=logit",
+            "++noise.sigma=0.5",
+        ]
     if name == "bf16":  # a bf16 trainer and sampler: fp32 master weights in the checkpoint
         return ["engine.trainer_dtype=bf16", "engine.sampler_dtype=bf16"]
     return [f"objective={name}"]
@@ -118,8 +123,12 @@ def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward, devic
     """Run 4 steps straight; run 2, 'crash', resume to 4: identical metric lines (seeds), also
     for the stateful objectives (NSR's generator, calibrated clipping's bounds); on each device
     (the checkpoint is read onto the CPU and copied back onto the device's parameters)."""
-    common = [*objective_overrides(name), "checkpoint_every=2", "alpha.minibatches=2",
-              f"engine.device={device.type}"]  # fmt: skip
+    common = [
+        *objective_overrides(name),
+        "checkpoint_every=2",
+        "alpha.minibatches=2",
+        f"engine.device={device.type}",
+    ]
     if name == "calibrated_clip":
         # recalibrate every step; logit noise on μ makes the low-precision ratio differ
         common += ["++objective.every=1", "noise=logit", "++noise.sigma=0.5"]
@@ -268,8 +277,14 @@ def test_pi_old_from_the_sampler_is_honoured_when_the_training_pass_is_reused(
     one with a separate recompute. Were the reuse path to take the training pass as π_old, the
     ratio would be 1 at θ = θ_old: nothing would clip and the setting would do nothing."""
     # evaluation and the mechanism check off: only the updates are compared
-    common = ["steps=2", "eval_every=0", "engine.logp_old_source=sampler", "noise=logit",
-              "noise.sigma=1.0", "mechanism_batches=0"]  # fmt: skip
+    common = [
+        "steps=2",
+        "eval_every=0",
+        "engine.logp_old_source=sampler",
+        "noise=logit",
+        "noise.sigma=1.0",
+        "mechanism_batches=0",
+    ]
     runs = {}
     for reuse in ("true", "false"):
         train.run(_cfg(tmp_path / reuse, *common, f"reuse_old_logp={reuse}"))
@@ -278,8 +293,16 @@ def test_pi_old_from_the_sampler_is_honoured_when_the_training_pass_is_reused(
     for a, b in zip(runs["true"], runs["false"]):
         for k in {k for k in a if not k.startswith("time/")}:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6, nan_ok=True), k
-    train.run(_cfg(tmp_path / "trainer", *common[:-2], "noise=logit", "noise.sigma=1.0",
-                   "engine.logp_old_source=trainer", "mechanism_batches=0"))  # fmt: skip
+    train.run(
+        _cfg(
+            tmp_path / "trainer",
+            *common[:-2],
+            "noise=logit",
+            "noise.sigma=1.0",
+            "engine.logp_old_source=trainer",
+            "mechanism_batches=0",
+        )
+    )
     assert _metrics(tmp_path / "trainer")[0]["clip/frac_low"] == 0  # θ = θ_old: r ≡ 1
 
 
@@ -342,8 +365,15 @@ def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path
     """R3 with m = 2 and staleness 1: each minibatch replays its own rows' routes, and
     replay brings the trainer closer to μ than no replay does."""
     # evaluation off: replay acts on the updates only
-    common = ["model=tiny-moe", "noise=routing", "++noise.sigma=0.5", "steps=2",
-              "alpha.minibatches=2", "alpha.staleness=1", "eval_every=0"]  # fmt: skip
+    common = [
+        "model=tiny-moe",
+        "noise=routing",
+        "++noise.sigma=0.5",
+        "steps=2",
+        "alpha.minibatches=2",
+        "alpha.staleness=1",
+        "eval_every=0",
+    ]
     train.run(_cfg(tmp_path / "r3", *common, "engine.routing_replay=true"))
     train.run(_cfg(tmp_path / "plain", *common))
     r3, plain = _metrics(tmp_path / "r3"), _metrics(tmp_path / "plain")
@@ -380,15 +410,30 @@ def test_routing_replay_with_minibatches_and_staleness_through_the_cli_with_eval
 
     root = CONFIG_DIR.rsplit("/experiments", 1)[0]
     # the check off: 4 runs of the launcher; it is tested on its own below
-    args = ["model=tiny-moe", "noise=routing", "engine.routing_replay=true",
-            "alpha.minibatches=2,4", "alpha.staleness=0,1", "rollout.group_size=4",
-            "rollout.prompts_per_step=2", "rollout.max_new_tokens=6", "steps=2", "eval_n=8",
-            "eval_every=1", "progress=false", "engine.device=cpu", f"hydra.sweep.dir={tmp_path}",
-            "hydra.launcher.n_jobs=1", "mechanism_batches=0"]  # fmt: skip
+    args = [
+        "model=tiny-moe",
+        "noise=routing",
+        "engine.routing_replay=true",
+        "alpha.minibatches=2,4",
+        "alpha.staleness=0,1",
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=2",
+        "rollout.max_new_tokens=6",
+        "steps=2",
+        "eval_n=8",
+        "eval_every=1",
+        "progress=false",
+        "engine.device=cpu",
+        f"hydra.sweep.dir={tmp_path}",
+        "hydra.launcher.n_jobs=1",
+        "mechanism_batches=0",
+    ]
     r = subprocess.run(
-        [sys.executable, "-m", "harness.train", "-m", *args], cwd=root, capture_output=True,
+        [sys.executable, "-m", "harness.train", "-m", *args],
+        cwd=root,
+        capture_output=True,
         text=True,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     runs = sorted(p.parent for p in tmp_path.glob("*/metrics.jsonl"))
     assert len(runs) == 4, runs
@@ -602,8 +647,10 @@ def test_resume_after_a_nonfinite_abort_starts_from_the_last_good_checkpoint(
     with pytest.raises(train.TrainingAborted, match="abort_step_4.pt"):
         train.run(cfg)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == [
-        "abort_step_4.pt", "step_1.pt", "step_2.pt"
-    ]  # fmt: skip
+        "abort_step_4.pt",
+        "step_1.pt",
+        "step_2.pt",
+    ]
     monkeypatch.setattr(PolicyObjective, "__call__", real)
     train.run(_cfg(tmp_path, "steps=6", "checkpoint_every=1", "guard.max_nonfinite=2"))
     rows = _metrics(tmp_path)
@@ -664,15 +711,20 @@ def test_raising_steps_extends_the_run_in_its_folder_and_out_leaves_no_hydra_onl
     # the default folder pattern, rooted in tmp_path
     where = f"hydra.run.dir='{tmp_path}/results/${{run_name:${{hydra.job.override_dirname}}}}'"
     for steps in (2, 3):
-        r = subprocess.run([sys.executable, "-m", "harness.train", *TINY, where, f"steps={steps}"],
-                           cwd=root, capture_output=True, text=True)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "harness.train", *TINY, where, f"steps={steps}"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
     (run,) = (tmp_path / "results").iterdir()
     assert "steps" not in run.name and [m["step"] for m in _metrics(run)] == [1, 2, 3]
     hydra_dir, out = tmp_path / "hydra-output", tmp_path / "elsewhere"
     args = [*TINY, "steps=1", f"out={out}", f"hydra.run.dir={hydra_dir}"]
-    r = subprocess.run([sys.executable, "-m", "harness.train", *args], cwd=root,
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "harness.train", *args], cwd=root, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / ".hydra" / "overrides.yaml").exists() and not hydra_dir.exists()
 
@@ -766,8 +818,16 @@ def test_the_entropy_driver_switches_training_prompts_to_the_harder_task(tmp_pat
 
     monkeypatch.setattr(ArithmeticTask, "sample", spy)
     # evaluation and the check off: both sample too, and the spy counts the loop's draws only
-    train.run(_cfg(tmp_path, "steps=3", "drivers.harder_at=2", "+drivers.harder.digits=2",
-                   "eval_every=0", "mechanism_batches=0"))  # fmt: skip
+    train.run(
+        _cfg(
+            tmp_path,
+            "steps=3",
+            "drivers.harder_at=2",
+            "+drivers.harder.digits=2",
+            "eval_every=0",
+            "mechanism_batches=0",
+        )
+    )
     assert [d for split, d in seen if split == "train"] == [1, 2, 2]
     assert {d for split, d in seen if split == "eval"} == {1}  # the eval set stays the task's
     assert [r["drivers/harder"] for r in _metrics(tmp_path)] == [0.0, 1.0, 1.0]
@@ -829,8 +889,16 @@ def test_full_pipeline_fp8_unifies_the_trainer_with_the_sampler(
 
     monkeypatch.setattr(train, "shadow_pass", counted)
     # the check off: it would run shadow passes of its own, and the spy counts the loop's
-    out = train.run(_cfg(tmp_path / "c", "objective=calibrated_clip", *fp8,
-                         "engine.trainer_fp8=true", "steps=2", "mechanism_batches=0"))  # fmt: skip
+    out = train.run(
+        _cfg(
+            tmp_path / "c",
+            "objective=calibrated_clip",
+            *fp8,
+            "engine.trainer_fp8=true",
+            "steps=2",
+            "mechanism_batches=0",
+        )
+    )
     assert out["step"] == 2 and calls == [8]  # step 1 calibrates (every 20 steps): all 8 rows
     m = _metrics(tmp_path / "c")
     assert all(math.isfinite(x["loss"]) for x in m) and m[0]["calib/updated"] == 1.0

@@ -21,9 +21,10 @@ from harness.sampling.vllm_engine import VllmEngine, WorkerDied, default_python
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not default_python().is_file(),
-                       reason=f"no vLLM venv at {default_python()} (make vllm)"),
-]  # fmt: skip
+    pytest.mark.skipif(
+        not default_python().is_file(), reason=f"no vLLM venv at {default_python()} (make vllm)"
+    ),
+]
 
 
 def vllm_tiny(seed: int = 0):
@@ -73,8 +74,15 @@ def test_logp_mu_is_faithful_chi_square(tiny, temperature, top_p, top_k):
     model, tok, eng = tiny
     model, _ = _sharpened((copy.deepcopy(model), tok))
     eng.load_weights_from_state(model.state_dict())
-    ro = eng.generate([[5, 6, 7]], n=6000, max_new_tokens=1, temperature=temperature,
-                      top_p=top_p, top_k=top_k, seed=1)  # fmt: skip
+    ro = eng.generate(
+        [[5, 6, 7]],
+        n=6000,
+        max_new_tokens=1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=1,
+    )
     # vLLM reports the kept support under top-k, for mask replay
     assert_faithful_law(model, ro, temperature, top_p, top_k, atol=1e-4, support=bool(top_k))
 
@@ -106,8 +114,10 @@ def test_weight_sync_reaches_the_tied_head_and_the_prefix_cache():
     model, tok = load_model("smollm2-135m")
     eng = VllmEngine(copy.deepcopy(model), tok)
     try:
-        prompt = tok("Write a story about a dragon who lives in a cave by the sea, " * 12,
-                     add_special_tokens=False).input_ids  # fmt: skip
+        prompt = tok(
+            "Write a story about a dragon who lives in a cave by the sea, " * 12,
+            add_special_tokens=False,
+        ).input_ids
         assert len(prompt) > 128  # more than one KV-cache block (128 tokens on vLLM's CPU)
         eng.generate([prompt], n=2, max_new_tokens=8, seed=0)  # fills the prefix cache
         old = copy.deepcopy(model)
@@ -142,8 +152,13 @@ def test_training_with_vllm_as_the_sampler(tmp_path, tiny_folder):
     from harness import train
 
     # the check off: it would start a second vLLM worker (~30 s); the loop's dials are tested
-    cfg = _cfg(tmp_path, "steps=3", f"model.spec={tiny_folder}", "engine.sampler=vllm",
-               "mechanism_batches=0")  # fmt: skip
+    cfg = _cfg(
+        tmp_path,
+        "steps=3",
+        f"model.spec={tiny_folder}",
+        "engine.sampler=vllm",
+        "mechanism_batches=0",
+    )
     train.run(cfg)
     ms = _metrics(tmp_path)
     assert [m["step"] for m in ms] == [1, 2, 3]
@@ -163,7 +178,7 @@ def test_training_with_vllm_as_the_sampler(tmp_path, tiny_folder):
         ("rollout.top_p=0.9", r"rollout.top_p=0.9 with rollout.top_k=0, engine.sampler=vllm"),
         ("engine.routing_replay=true", "engine.routing_replay=True with engine.sampler=vllm"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_vllm_config_fails_before_compute(tmp_path, override, match):
     from test_train import _cfg
 
@@ -186,9 +201,19 @@ def test_a_worker_killed_mid_run_ends_the_run_and_the_rerun_resumes(tmp_path, ti
     out = tmp_path / "run"
 
     def cmd(steps: int) -> list[str]:  # the check off: a second vLLM worker; resume is tested
-        return [sys.executable, "-m", "harness.train", f"out={out}", *TINY, f"steps={steps}",
-                f"model.spec={tiny_folder}", "engine.sampler=vllm", "mechanism_batches=0",
-                "checkpoint_every=1", "progress=false"]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "harness.train",
+            f"out={out}",
+            *TINY,
+            f"steps={steps}",
+            f"model.spec={tiny_folder}",
+            "engine.sampler=vllm",
+            "mechanism_batches=0",
+            "checkpoint_every=1",
+            "progress=false",
+        ]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen(cmd(40), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -196,16 +221,16 @@ def test_a_worker_killed_mid_run_ends_the_run_and_the_rerun_resumes(tmp_path, ti
     while not (out / "metrics.jsonl").exists() or len(_metrics(out)) < 2:
         assert p.poll() is None and time.monotonic() < deadline, p.stdout.read().decode()
         time.sleep(0.5)
-    worker = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "vllm_worker"],
-                            capture_output=True, text=True).stdout.split()  # fmt: skip
+    worker = subprocess.run(
+        ["pgrep", "-P", str(p.pid), "-f", "vllm_worker"], capture_output=True, text=True
+    ).stdout.split()
     assert len(worker) == 1
     os.kill(int(worker[0]), signal.SIGKILL)
     text = p.communicate(timeout=120)[0].decode()
     assert p.returncode != 0 and "engine.sampler=vllm: the vLLM worker" in text, text[-3000:]
     done = len(_metrics(out))
     assert done < 40
-    rerun = subprocess.run(cmd(done + 2), env=env,
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    rerun = subprocess.run(cmd(done + 2), env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "resumed from" in rerun.stdout + rerun.stderr
     assert [m["step"] for m in _metrics(out)] == list(range(1, done + 3))

@@ -237,9 +237,12 @@ def test_shipped_model_loads_without_training_and_its_checksum_is_enforced(
     assert next(model.parameters()).dtype == torch.float32
     ident = W.model_identity(model, "task-model", W.resolve_recipe("arithmetic", **TINY))
     assert ident == {
-        "spec": "task-model", "weights_sha": entry["weights_sha"], "recipe_hash": h,
-        "shipped_weights_sha": entry["weights_sha"], "shipped": True,
-    }  # fmt: skip
+        "spec": "task-model",
+        "weights_sha": entry["weights_sha"],
+        "recipe_hash": h,
+        "shipped_weights_sha": entry["weights_sha"],
+        "shipped": True,
+    }
     # a replaced weights file is refused, naming both checksums and the fix
     other.half().save_pretrained(shipped / h)
     with pytest.raises(RuntimeError, match=f"names {entry['weights_sha']}.*git checkout"):
@@ -292,13 +295,16 @@ def test_privileged_frac_trains_on_the_teacher_format_and_keeps_the_shipped_hash
         return batch(problems, tok)
 
     monkeypatch.setattr(W, "sft_batch", spy)
-    recipe = W.resolve_recipe("arithmetic", **{**TINY, "steps": 8}, privileged_frac=0.5,
-                              task_kwargs={"digits": 1})  # fmt: skip
+    recipe = W.resolve_recipe(
+        "arithmetic", **{**TINY, "steps": 8}, privileged_frac=0.5, task_kwargs={"digits": 1}
+    )
     W.train_task_model(recipe, progress=False)
     privileged = [p for p in seen if p.prompt.startswith("Reference solution: ")]
     assert 0.3 < len(privileged) / len(seen) < 0.7
-    assert all(p.prompt == teacher_prompt(replace(p, prompt=p.prompt.split("\n", 1)[1]))
-               for p in privileged)  # fmt: skip
+    assert all(
+        p.prompt == teacher_prompt(replace(p, prompt=p.prompt.split("\n", 1)[1]))
+        for p in privileged
+    )
     for task, h in [("arithmetic", "a814f17fcbcb"), ("countdown", "1d46e5429706")]:
         assert W.recipe_hash(W.resolve_recipe(task)) == h
     assert W.recipe_hash(W.resolve_recipe("arithmetic", privileged_frac=0.4)) != "a814f17fcbcb"

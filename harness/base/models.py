@@ -60,11 +60,14 @@ def resolve_device(spec: str, key: str = "engine.device") -> torch.device:
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
-            raise ValueError(f"{key}={spec!r}, but this machine has no CUDA device; valid: "
-                             "auto or cpu here")  # fmt: skip
+            raise ValueError(
+                f"{key}={spec!r}, but this machine has no CUDA device; valid: auto or cpu here"
+            )
         if (dev.index or 0) >= n:
-            raise ValueError(f"{key}={spec!r}, but this machine has {n} CUDA device(s); valid: "
-                             f"cuda:0..cuda:{n - 1}")  # fmt: skip
+            raise ValueError(
+                f"{key}={spec!r}, but this machine has {n} CUDA device(s); valid: "
+                f"cuda:0..cuda:{n - 1}"
+            )
     return dev
 
 

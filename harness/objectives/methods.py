@@ -364,19 +364,28 @@ class SNRShrink(PolicyObjective):
         for name in ("lam", "lower", "upper"):
             new = torch.tensor(kw[name], dtype=getattr(self, name).dtype)
             setattr(self, name, torch.where(new.isfinite(), new, getattr(self, name)))
-        out = {"snr/refreshed": 1.0, "snr/n_cal": float(len(delta_cal)),
-               "snr/n_live": float(len(self.live_delta))}  # fmt: skip
+        out = {
+            "snr/refreshed": 1.0,
+            "snr/n_cal": float(len(delta_cal)),
+            "snr/n_live": float(len(self.live_delta)),
+        }
         for b in range(len(self.edges) - 1):
-            out |= {f"snr/lam_b{b}": float(self.lam[b]), f"snr/lower_b{b}": float(self.lower[b]),
-                    f"snr/upper_b{b}": float(self.upper[b])}  # fmt: skip
+            out |= {
+                f"snr/lam_b{b}": float(self.lam[b]),
+                f"snr/lower_b{b}": float(self.lower[b]),
+                f"snr/upper_b{b}": float(self.upper[b]),
+            }
         self.live_delta, self.live_conf = torch.zeros(0), torch.zeros(0)
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "lam": self.lam.clone(), "lower": self.lower.clone(), "upper": self.upper.clone(),
-            "live_delta": self.live_delta.clone(), "live_conf": self.live_conf.clone(),
-        }  # fmt: skip
+            "lam": self.lam.clone(),
+            "lower": self.lower.clone(),
+            "upper": self.upper.clone(),
+            "live_delta": self.live_delta.clone(),
+            "live_conf": self.live_conf.clone(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         n_bins = len(self.edges) - 1

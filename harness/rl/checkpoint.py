@@ -247,15 +247,21 @@ def resume(s: Setup, run_dir: Path, metrics_path: Path, cfg: DictConfig) -> tupl
         except RefusedCheckpoint:
             raise
         except Exception as e:  # truncated or corrupt: the previous one is still good
-            print(f"[train] warning: checkpoint {ck} is damaged ({type(e).__name__}: "
-                  f"{str(e)[:120]}); trying the previous one", flush=True)  # fmt: skip
+            print(
+                f"[train] warning: checkpoint {ck} is damaged ({type(e).__name__}: "
+                f"{str(e)[:120]}); trying the previous one",
+                flush=True,
+            )
             continue
         if not ck.is_dir():
             s.policy.model.load_state_dict(state["model"])
             s.opt.load_state_dict(state["optim"])
         for group in s.opt.param_groups:
-            group.update(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                         weight_decay=cfg.optim.weight_decay)  # fmt: skip
+            group.update(
+                lr=cfg.optim.lr,
+                betas=(cfg.optim.beta1, cfg.optim.beta2),
+                weight_decay=cfg.optim.weight_decay,
+            )
         s.objective.load_state_dict(state["objective"])
         s.history.load_state_dict(state["history"])
         set_rng_state(state["rng"])
@@ -381,6 +387,8 @@ def end_line(run_dir: Path, last: dict, steps: int, first: int, wall_s: float) -
     done = last["step"] - first + 1
     kept = checkpoints(run_dir)
     size = sum(disk_bytes(p) for p in kept) / 2**30
-    return (f"[train] done {run_dir}: step {last['step']}/{steps} ({done} steps in "
-            f"{wall_s:.0f} s); {len(kept)} checkpoint(s), {size:.2f} GiB; last step: "
-            f"{plain_line(last, steps)}")  # fmt: skip
+    return (
+        f"[train] done {run_dir}: step {last['step']}/{steps} ({done} steps in "
+        f"{wall_s:.0f} s); {len(kept)} checkpoint(s), {size:.2f} GiB; last step: "
+        f"{plain_line(last, steps)}"
+    )

@@ -118,9 +118,16 @@ def run(cfg: DictConfig, validated: bool = False, ranks: Ranks = ONE) -> dict[st
         own, batch_rows = share_rows(ranks, len(problems), cfg.rollout.group_size)
         reward = partial(s.task.rollout_rewards, problems[own], tokenizer=s.tok)
         batch, _, rew = collect(
-            s.sampler, s.policy, [p.prompt for p in problems[own]], reward, sampling, seed=seed,
-            advantage=cfg.advantage, mask_replay=cfg.engine.mask_replay, batch_rows=batch_rows,
-        )  # fmt: skip
+            s.sampler,
+            s.policy,
+            [p.prompt for p in problems[own]],
+            reward,
+            sampling,
+            seed=seed,
+            advantage=cfg.advantage,
+            mask_replay=cfg.engine.mask_replay,
+            batch_rows=batch_rows,
+        )
         if ranks.world > 1:
             batch, rew = gather_batch(batch), distributed.gather_rows(rew)
         parts.append((batch.log_rho, batch.p_t, batch.advantages, batch.mask))
@@ -158,9 +165,12 @@ def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, flo
         ("student", s.policy.model, problems),
     ]:
         ro = Engine(model, s.tok).generate(
-            [p.prompt for p in probs], n=1, max_new_tokens=budget,
-            temperature=cfg.rollout.temperature, seed=cfg.eval_seed,
-        )  # fmt: skip
+            [p.prompt for p in probs],
+            n=1,
+            max_new_tokens=budget,
+            temperature=cfg.rollout.temperature,
+            seed=cfg.eval_seed,
+        )
         out[f"{who}_acc"] = float(s.task.rollout_rewards(problems, ro, s.tok).mean())
         out[f"{who}_ref_logp"] = -float(sft_loss(model, *sft_batch(probs, s.tok)))
     return out

@@ -112,9 +112,12 @@ def build_policy(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
         name, kw = split_node(cfg.noise)
         noise.append(Fp8Trainer(build_noise(name, **kw)))
     return Engine(
-        model, tok, noise=noise, micro_batch_tokens=cfg.engine.micro_batch_tokens,
+        model,
+        tok,
+        noise=noise,
+        micro_batch_tokens=cfg.engine.micro_batch_tokens,
         activation_checkpointing=cfg.engine.activation_checkpointing,
-    )  # fmt: skip
+    )
 
 
 def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine, Any, Any, Any]:

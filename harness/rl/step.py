@@ -212,8 +212,11 @@ def step_and_log(
     if on_step is not None:
         on_step()
     return {
-        **res.metrics, "loss": float(res.loss.detach()), "grad/norm": gnorm, "alpha/lag": float(lag)
-    }  # fmt: skip
+        **res.metrics,
+        "loss": float(res.loss.detach()),
+        "grad/norm": gnorm,
+        "alpha/lag": float(lag),
+    }
 
 
 def backward_whole(objective, logp: Tensor, mb: TokenBatch) -> ObjectiveOutput | None:
@@ -226,9 +229,16 @@ def backward_whole(objective, logp: Tensor, mb: TokenBatch) -> ObjectiveOutput |
 
 
 def backward_through_logp(
-    objective, logp: Tensor, mb: TokenBatch, policy: Engine, ro: Rollout, rows: Tensor,
-    parts: list[slice], mask_replay: bool, mine: Tensor | None = None,
-) -> ObjectiveOutput | None:  # fmt: skip
+    objective,
+    logp: Tensor,
+    mb: TokenBatch,
+    policy: Engine,
+    ro: Rollout,
+    rows: Tensor,
+    parts: list[slice],
+    mask_replay: bool,
+    mine: Tensor | None = None,
+) -> ObjectiveOutput | None:
     """A policy objective's loss L depends on θ only through log π_θ of the minibatch's tokens,
     so ∇_θ L = Σ_{i,t} (∂L/∂logp_it) ∇_θ logp_it (the chain rule; GradCache, Gao et al. 2021,
     "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"). `logp` is the
@@ -322,9 +332,17 @@ def update(
         else:
             logp = logp.detach().requires_grad_()
             backward = partial(
-                backward_through_logp, objective, logp, mb, policy, ro, local, parts, mask_replay,
+                backward_through_logp,
+                objective,
+                logp,
+                mb,
+                policy,
+                ro,
+                local,
+                parts,
+                mask_replay,
                 mine,
-            )  # fmt: skip
+            )
         if calibrate and i == 0:
             hp, old_hp = shadow(rows) if shadow else (logp.detach(), mb.logp_recompute)
             metrics.append(
@@ -372,9 +390,17 @@ def weighted_sum(outs: list[ObjectiveOutput], weights: list[Tensor]) -> Objectiv
 
 
 def backward_distill(
-    student: Engine, teacher: torch.nn.Module, objective, mask: Tensor, ro: Rollout, rows: Tensor,
-    parts: list[slice], teacher_ids: Tensor, teacher_mask: Tensor, extra: PartMetrics | None,
-) -> ObjectiveOutput | None:  # fmt: skip
+    student: Engine,
+    teacher: torch.nn.Module,
+    objective,
+    mask: Tensor,
+    ro: Rollout,
+    rows: Tensor,
+    parts: list[slice],
+    teacher_ids: Tensor,
+    teacher_mask: Tensor,
+    extra: PartMetrics | None,
+) -> ObjectiveOutput | None:
     """OPSD's loss and metrics are token means over the minibatch, with a denominator N (its
     response tokens) that does not depend on θ: micro-batch p (n_p tokens) backpropagates
     (n_p/N)·mean_p, and Σ_p (n_p/N)·mean_p is the minibatch's mean (the gradient-accumulation
@@ -456,9 +482,18 @@ def update_distill(
         n_tokens = torch.maximum(ro.attention_mask[rows].sum(1), n_tokens)
         parts = micro_batches(n_tokens, student.micro_batch_tokens)
         backward = partial(
-            backward_distill, student, teacher, objective, batch.mask, ro, rows, parts,
-            teacher_ids, teacher_mask, extra_metrics,
-        )  # fmt: skip
+            backward_distill,
+            student,
+            teacher,
+            objective,
+            batch.mask,
+            ro,
+            rows,
+            parts,
+            teacher_ids,
+            teacher_mask,
+            extra_metrics,
+        )
         m = step_and_log(student.model, backward, lag, opt, grad_clip, restore, on_step)
         skipped += m is None
         metrics += [m] if m is not None else []
@@ -468,9 +503,14 @@ def update_distill(
 
 @torch.no_grad()
 def evaluate(
-    engine: Engine, task, problems, max_new_tokens: int, temperature: float, seed: int,
+    engine: Engine,
+    task,
+    problems,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
     ranks: Ranks = ONE,
-) -> float:  # fmt: skip
+) -> float:
     """Held-out accuracy: one sample per problem of the fixed set at `temperature` (no top-k /
     top-p), from the engine's current weights, seed `seed`; nan when the weights give a
     non-finite distribution. Across ranks each samples its share (with the whole set's draws)
@@ -478,10 +518,13 @@ def evaluate(
     mine = ranks.split(len(problems))
     try:
         ro = engine.generate(
-            [p.prompt for p in problems[mine]], n=1, max_new_tokens=max_new_tokens,
-            temperature=temperature, seed=seed,
+            [p.prompt for p in problems[mine]],
+            n=1,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
             batch_rows=(mine.start, len(problems)) if ranks.world > 1 else None,
-        )  # fmt: skip
+        )
     except FloatingPointError as e:
         print(f"[train] eval skipped: {e}", flush=True)
         return float("nan")

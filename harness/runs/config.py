@@ -252,9 +252,15 @@ OmegaConf.register_new_resolver("objective_aggregation", objective_aggregation, 
 # arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked
 # against the builder's signature before any compute (harness.runs.validate.check_nodes).
 OPEN_NODES = (
-    "task", "noise", "objective", "aggregation", "model.warmstart", "prereg", "arms",
+    "task",
+    "noise",
+    "objective",
+    "aggregation",
+    "model.warmstart",
+    "prereg",
+    "arms",
     "drivers.harder",
-)  # fmt: skip
+)
 
 
 def open_schema(cls: type, open_nodes: tuple[str, ...]) -> DictConfig:

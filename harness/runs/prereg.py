@@ -61,8 +61,12 @@ def check_prereg(prereg: Any) -> None:
             need(isinstance(ep.get(key), str), at + key, ep.get(key), "text")
         if ep["reduce"] == "window_mean":
             w = ep.get("window")
-            need(isinstance(w, list) and len(w) == 2 and w[0] <= w[1], at + "window", w,
-                 "[first step, last step]")  # fmt: skip
+            need(
+                isinstance(w, list) and len(w) == 2 and w[0] <= w[1],
+                at + "window",
+                w,
+                "[first step, last step]",
+            )
         if ep["reduce"] == "last_evals":
             need(isinstance(ep.get("n"), int) and ep["n"] >= 1, at + "n", ep.get("n"), ">= 1")
         if ep["test"] == "tost":
@@ -74,9 +78,12 @@ def check_prereg(prereg: Any) -> None:
             need(isinstance(w, int) and w >= 0, at + "warmup", w, "an int >= 0")
         events = ep["reduce"] in ("final_any", "event")
         if ep["test"] == "fisher" or events:
-            need(events and ep["test"] == "fisher", at + "reduce/test",
-                 f"{ep['reduce']}/{ep['test']}", "final_any or event with fisher (Fisher's test "
-                 "counts runs with an event)")  # fmt: skip
+            need(
+                events and ep["test"] == "fisher",
+                at + "reduce/test",
+                f"{ep['reduce']}/{ep['test']}",
+                "final_any or event with fisher (Fisher's test counts runs with an event)",
+            )
         where = ep.get("where", {})
         need(isinstance(where, dict), at + "where", where, "a mapping of summary columns to values")
     aa = prereg.get("aa_offset")

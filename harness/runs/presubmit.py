@@ -57,8 +57,10 @@ class PreSubmitCheck(Callback):
         try:
             points = sweep_points(config)
         except Exception as e:  # noqa: BLE001 — fail closed: an unchecked sweep is not submitted
-            raise SystemExit(f"[presubmit] could not expand the sweep: {type(e).__name__}: {e}. "
-                             "Nothing was submitted.") from None  # fmt: skip
+            raise SystemExit(
+                f"[presubmit] could not expand the sweep: {type(e).__name__}: {e}. "
+                "Nothing was submitted."
+            ) from None
         for i, overrides in enumerate(points):
             try:
                 check_point(config, overrides)

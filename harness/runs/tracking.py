@@ -59,8 +59,13 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
 
 def plain_line(metrics: dict[str, Any], steps: int) -> str:
     """One step in one line: 'step 10/300  reward 0.125  entropy 0.341  eval 0.210  2.9 s/step'."""
-    shown = [("reward", "reward/mean"), ("entropy", "entropy/mean"), ("eval", "eval/acc"),
-             ("|Δ|", "dial/mean_abs_delta"), ("clip↓", "clip/frac_low")]  # fmt: skip
+    shown = [
+        ("reward", "reward/mean"),
+        ("entropy", "entropy/mean"),
+        ("eval", "eval/acc"),
+        ("|Δ|", "dial/mean_abs_delta"),
+        ("clip↓", "clip/frac_low"),
+    ]
     parts = [f"{label} {metrics[k]:.3f}" for label, k in shown if k in metrics]
     return "  ".join(
         [f"step {metrics['step']}/{steps}", *parts, f"{metrics['time/step_s']} s/step"]
@@ -79,8 +84,14 @@ class Tracker:
 
             os.environ.setdefault("WANDB_MODE", "offline")
             run_id = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-            self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id,
-                                  dir=str(run_dir), config=config, resume="allow")  # fmt: skip
+            self.run = wandb.init(
+                project=project,
+                name=Path(run_dir).name,
+                id=run_id,
+                dir=str(run_dir),
+                config=config,
+                resume="allow",
+            )
         elif logger == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
@@ -110,7 +121,9 @@ def no_signal(rewards: list[float]) -> str | None:
     if len(rewards) < SIGNAL_STEPS or len(set(rewards)) > 1 or rewards[0] not in (0.0, 1.0):
         return None
     every = "wrong" if rewards[0] == 0 else "right"
-    return (f"WARNING no learning signal: the mean reward of steps 1–{len(rewards)} is "
-            f"{rewards[0]:g} in every step (every response {every}): group-normalised "
-            "advantages are 0 and nothing trains. Check the task's grading against a few "
-            "responses, or start from a model that solves some problems.")  # fmt: skip
+    return (
+        f"WARNING no learning signal: the mean reward of steps 1–{len(rewards)} is "
+        f"{rewards[0]:g} in every step (every response {every}): group-normalised "
+        "advantages are 0 and nothing trains. Check the task's grading against a few "
+        "responses, or start from a model that solves some problems."
+    )

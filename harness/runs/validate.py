@@ -219,37 +219,62 @@ def validate(cfg: DictConfig) -> None:
     r, a = cfg.rollout, cfg.alpha
     check_sampling(r.temperature, r.top_k, r.top_p, prefix="rollout.")
     checks = [
-        ("rollout.max_new_tokens", r.max_new_tokens,
-         r.max_new_tokens is None or r.max_new_tokens >= 1, ">= 1, or null for the task's own"),
+        (
+            "rollout.max_new_tokens",
+            r.max_new_tokens,
+            r.max_new_tokens is None or r.max_new_tokens >= 1,
+            ">= 1, or null for the task's own",
+        ),
         ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
         ("log_every", cfg.log_every, cfg.log_every >= 0, ">= 0 (0: no plain lines)"),
-        ("rollout.group_size", r.group_size, r.group_size >= 2,
-         ">= 2 (group-normalised advantages of a single response are 0: nothing would train)"),
+        (
+            "rollout.group_size",
+            r.group_size,
+            r.group_size >= 2,
+            ">= 2 (group-normalised advantages of a single response are 0: nothing would train)",
+        ),
         ("alpha.staleness", a.staleness, a.staleness >= 0, ">= 0"),
-        ("alpha.minibatches", a.minibatches,
-         1 <= a.minibatches <= r.prompts_per_step * r.group_size,
-         f"in [1, rollout.prompts_per_step × rollout.group_size = "
-         f"{r.prompts_per_step * r.group_size}]"),
+        (
+            "alpha.minibatches",
+            a.minibatches,
+            1 <= a.minibatches <= r.prompts_per_step * r.group_size,
+            f"in [1, rollout.prompts_per_step × rollout.group_size = "
+            f"{r.prompts_per_step * r.group_size}]",
+        ),
         ("steps", cfg.steps, cfg.steps >= 1, ">= 1"),
         ("checkpoint_every", cfg.checkpoint_every, cfg.checkpoint_every >= 1, ">= 1"),
         ("keep_checkpoints", cfg.keep_checkpoints, cfg.keep_checkpoints >= 1, ">= 1"),
         ("eval_n", cfg.eval_n, cfg.eval_n >= 1 or not cfg.eval_every, ">= 1 when eval_every > 0"),
         ("optim.lr", cfg.optim.lr, cfg.optim.lr > 0, "> 0"),
         ("drivers.beta_growth", cfg.drivers.beta_growth, cfg.drivers.beta_growth > 0, "> 0"),
-        ("drivers.harder_at", cfg.drivers.harder_at, 0 <= cfg.drivers.harder_at <= cfg.steps,
-         "in [0 (never), steps]"),
-        ("mechanism_batches", cfg.mechanism_batches, cfg.mechanism_batches >= 0,
-         ">= 0 (0: no mechanism check)"),
-        ("engine.micro_batch_tokens", cfg.engine.micro_batch_tokens,
-         cfg.engine.micro_batch_tokens is None or cfg.engine.micro_batch_tokens >= 1,
-         ">= 1 (prompt + response tokens per micro-batch), or null (each minibatch in one pass)"),
+        (
+            "drivers.harder_at",
+            cfg.drivers.harder_at,
+            0 <= cfg.drivers.harder_at <= cfg.steps,
+            "in [0 (never), steps]",
+        ),
+        (
+            "mechanism_batches",
+            cfg.mechanism_batches,
+            cfg.mechanism_batches >= 0,
+            ">= 0 (0: no mechanism check)",
+        ),
+        (
+            "engine.micro_batch_tokens",
+            cfg.engine.micro_batch_tokens,
+            cfg.engine.micro_batch_tokens is None or cfg.engine.micro_batch_tokens >= 1,
+            ">= 1 (prompt + response tokens per micro-batch), or null (each minibatch in one pass)",
+        ),
         # a full-length response alone would exceed every micro-batch: the budget bounds nothing
-        ("engine.micro_batch_tokens", cfg.engine.micro_batch_tokens,
-         None in (cfg.engine.micro_batch_tokens, r.max_new_tokens)
-         or cfg.engine.micro_batch_tokens > r.max_new_tokens,
-         f"> rollout.max_new_tokens = {r.max_new_tokens} (one whole sequence: its prompt and "
-         "a full-length response), or null"),
-    ]  # fmt: skip
+        (
+            "engine.micro_batch_tokens",
+            cfg.engine.micro_batch_tokens,
+            None in (cfg.engine.micro_batch_tokens, r.max_new_tokens)
+            or cfg.engine.micro_batch_tokens > r.max_new_tokens,
+            f"> rollout.max_new_tokens = {r.max_new_tokens} (one whole sequence: its prompt and "
+            "a full-length response), or null",
+        ),
+    ]
     for key, value, ok, valid in checks:
         if not ok:
             raise bad(key, value, valid)
@@ -259,12 +284,19 @@ def validate(cfg: DictConfig) -> None:
     check_sampler(cfg.engine, injected, cfg.rollout)
     if cfg.engine.sampler != "hf" and cfg.drivers.beta_growth != 1.0:
         why = "its β is the engine's own, not a σ that can grow"
-        raise bad("drivers.beta_growth", cfg.drivers.beta_growth,
-                  f"1.0 with engine.sampler={cfg.engine.sampler} ({why})")  # fmt: skip
+        raise bad(
+            "drivers.beta_growth",
+            cfg.drivers.beta_growth,
+            f"1.0 with engine.sampler={cfg.engine.sampler} ({why})",
+        )
     if cfg.drivers.harder_at:  # the harder task's kwargs against the task's builder
         if not cfg.drivers.harder:
-            raise bad("drivers.harder", {}, "the task kwargs that make it harder, e.g. "
-                      "{max_number: 20}, when drivers.harder_at > 0")  # fmt: skip
+            raise bad(
+                "drivers.harder",
+                {},
+                "the task kwargs that make it harder, e.g. "
+                "{max_number: 20}, when drivers.harder_at > 0",
+            )
         check_nodes(OmegaConf.create({"task": {**cfg.task, **cfg.drivers.harder}}))
     check_prereg(OmegaConf.to_container(cfg.prereg, resolve=True))  # the preset's endpoints
     spec = cfg.model.spec
@@ -275,11 +307,19 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(task_model_mismatch(cfg.task, tuple(RECIPES)))
         resolve_recipe(cfg.task.name, **OmegaConf.to_container(cfg.model.warmstart, resolve=True))
     elif spec not in BUILTIN_SPECS and not Path(spec).is_dir() and "/" not in spec:
-        raise bad("model.spec", spec, f"task-model, {', '.join(BUILTIN_SPECS)}, a local HF folder "
-                  "or a Hugging Face hub id (org/name)")  # fmt: skip
+        raise bad(
+            "model.spec",
+            spec,
+            f"task-model, {', '.join(BUILTIN_SPECS)}, a local HF folder "
+            "or a Hugging Face hub id (org/name)",
+        )
     elif Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
-        raise bad("model.spec", spec, "a Hugging Face model folder (it has no config.json; "
-                  "`python -m harness.base.models export <spec> <folder>` writes one)")  # fmt: skip
+        raise bad(
+            "model.spec",
+            spec,
+            "a Hugging Face model folder (it has no config.json; "
+            "`python -m harness.base.models export <spec> <folder>` writes one)",
+        )
     obj = cfg.objective.name
     misplaced = sorted({"aggregation", *AGGREGATION_KEYS} & set(cfg.objective))
     if misplaced:
@@ -308,9 +348,11 @@ def task_model_mismatch(task: DictConfig, recipe_tasks: tuple[str, ...]) -> str:
     """Why model=task-model cannot train `task`: a task model is trained from scratch for one
     built-in task (its recipe); a dataset needs a real model. A missing dataset file is named
     too, so that one run finds both."""
-    msg = (f"task={task.name} with model=task-model (the default): a task model is trained only "
-           f"for {', '.join(recipe_tasks)}; task={task.name} needs a real model: "
-           "model.spec=<a Hugging Face folder or hub id>, e.g. model=smollm2-135m")  # fmt: skip
+    msg = (
+        f"task={task.name} with model=task-model (the default): a task model is trained only "
+        f"for {', '.join(recipe_tasks)}; task={task.name} needs a real model: "
+        "model.spec=<a Hugging Face folder or hub id>, e.g. model=smollm2-135m"
+    )
     path = task.get("path")
     if path is not None and not Path(str(path)).expanduser().exists():
         msg += f"; and task.path={str(path)!r} is not a file or folder here"
@@ -331,8 +373,10 @@ def validate_ranks(cfg: DictConfig, world: int) -> None:
     r = cfg.rollout
     check_save_final(cfg)
     if cfg.engine.fsdp is False and world > 1:
-        raise ValueError(f"engine.fsdp=False with {world} ranks; valid: true or null (ranks "
-                         "shard the trainer with FSDP2), or one rank")  # fmt: skip
+        raise ValueError(
+            f"engine.fsdp=False with {world} ranks; valid: true or null (ranks "
+            "shard the trainer with FSDP2), or one rank"
+        )
     if world == 1:
         return
     if r.prompts_per_step % world:
@@ -346,13 +390,25 @@ def validate_ranks(cfg: DictConfig, world: int) -> None:
     unsupported = [
         ("engine.sampler", cfg.engine.sampler, cfg.engine.sampler != "hf", "'hf'"),
         ("engine.trainer_fp8", cfg.engine.trainer_fp8, cfg.engine.trainer_fp8, "false"),
-        ("objective.adaptive", cfg.objective.get("adaptive"), bool(cfg.objective.get("adaptive")),
-         "false (its refresh pass is one process's)"),
-        ("noise.deterministic", False, bool(fresh),
-         "true (fresh draws follow the batch layout, which the ranks split)"),
-        ("noise", "batch", "batch" in [n["name"] for n in noise_nodes(cfg)],
-         "a noise that does not depend on which rows share the batch"),
-    ]  # fmt: skip
+        (
+            "objective.adaptive",
+            cfg.objective.get("adaptive"),
+            bool(cfg.objective.get("adaptive")),
+            "false (its refresh pass is one process's)",
+        ),
+        (
+            "noise.deterministic",
+            False,
+            bool(fresh),
+            "true (fresh draws follow the batch layout, which the ranks split)",
+        ),
+        (
+            "noise",
+            "batch",
+            "batch" in [n["name"] for n in noise_nodes(cfg)],
+            "a noise that does not depend on which rows share the batch",
+        ),
+    ]
     for key, value, bad, valid in unsupported:
         if bad:
             raise ValueError(f"{key}={value!r} with {world} ranks; valid: {valid}")

@@ -124,9 +124,12 @@ class Ct2Engine(SecondEngine):
         t = time.perf_counter()
         self.ct2.set_random_seed(seed)
         gen = self.ct2.Generator(
-            str(self.path), device="cpu", compute_type=self.compute_type,
-            intra_threads=torch.get_num_threads(), inter_threads=1,
-        )  # fmt: skip
+            str(self.path),
+            device="cpu",
+            compute_type=self.compute_type,
+            intra_threads=torch.get_num_threads(),
+            inter_threads=1,
+        )
         self.load_s.append(time.perf_counter() - t)
         return gen
 
@@ -168,11 +171,16 @@ class Ct2Engine(SecondEngine):
         sups: list[Tensor] = [torch.empty(0)] * len(starts)
         for rows in tqdm(calls, desc="sampling (ct2)", disable=not progress):
             results = generator.generate_batch(
-                [starts[b] for b in rows], max_length=max_new_tokens, sampling_topk=top_k,
-                sampling_topp=top_p, sampling_temperature=temperature, return_logits_vocab=True,
-                include_prompt_in_result=False, return_end_token=True,
+                [starts[b] for b in rows],
+                max_length=max_new_tokens,
+                sampling_topk=top_k,
+                sampling_topp=top_p,
+                sampling_temperature=temperature,
+                return_logits_vocab=True,
+                include_prompt_in_result=False,
+                return_end_token=True,
                 end_token=self.eos_ids.tolist(),
-            )  # fmt: skip
+            )
             for b, r in zip(rows, results):
                 tok = torch.tensor(r.sequences_ids[0], dtype=torch.long)
                 z = torch.from_numpy(np.stack([np.asarray(x) for x in r.logits[0]]))
@@ -187,5 +195,14 @@ class Ct2Engine(SecondEngine):
                 toks[b], mus[b] = tok, mu
                 if truncated:
                     sups[b] = kept_support(logp)
-        return pack_rollout(ids, attn, toks, mus, sups if truncated else None, self.pad_id, n,
-                            temperature, self.device)  # fmt: skip
+        return pack_rollout(
+            ids,
+            attn,
+            toks,
+            mus,
+            sups if truncated else None,
+            self.pad_id,
+            n,
+            temperature,
+            self.device,
+        )

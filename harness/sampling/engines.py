@@ -615,9 +615,14 @@ class Engine:
                 keep = replay_mask(support, targets, vocab).view(b * T, vocab)
             w = self.model.get_output_embeddings().weight
             out = chunked_logp(
-                h.reshape(b * T, H), w, targets.reshape(-1), ro.temperature, keep,
-                self.chunk, with_stats=stats,
-            )  # fmt: skip
+                h.reshape(b * T, H),
+                w,
+                targets.reshape(-1),
+                ro.temperature,
+                keep,
+                self.chunk,
+                with_stats=stats,
+            )
         if not stats:
             return {"logp": out.view(b, T)}
         return {"logp": out[0].view(b, T), **{k: v.view(b, T) for k, v in out[1].items()}}

@@ -61,9 +61,16 @@ def encode_prompts(tokenizer, prompts: list[str] | list[list[int]]) -> tuple[Ten
 
 
 def pack_rollout(
-    ids: Tensor, attn: Tensor, toks: list[Tensor], mus: list[Tensor], sups: list[Tensor] | None,
-    pad_id: int, n: int, temperature: float, device: torch.device,
-) -> Rollout:  # fmt: skip
+    ids: Tensor,
+    attn: Tensor,
+    toks: list[Tensor],
+    mus: list[Tensor],
+    sups: list[Tensor] | None,
+    pad_id: int,
+    n: int,
+    temperature: float,
+    device: torch.device,
+) -> Rollout:
     """The `Rollout` of an engine that samples row by row (CTranslate2, vLLM): `ids`/`attn` the
     [B, P] prompts of the B = n_prompts × n rows, per row its sampled ids `toks` [L_b] and their
     log μ `mus` [L_b], and with a truncated law its kept support `sups` [L_b, K_b] (−1 padded;

@@ -30,11 +30,15 @@ def _ct2(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> Ct2E
 
 def _vllm(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> VllmEngine:
     return VllmEngine(
-        model, tokenizer, dtype=eng.sampler_dtype, python=eng.vllm.python,
-        start_timeout_s=eng.vllm.start_timeout_s, gpus=eng.vllm.gpus,
+        model,
+        tokenizer,
+        dtype=eng.sampler_dtype,
+        python=eng.vllm.python,
+        start_timeout_s=eng.vllm.start_timeout_s,
+        gpus=eng.vllm.gpus,
         gpu_memory_utilization=eng.vllm.gpu_memory_utilization,
         log=None if log_dir is None else log_dir / "vllm_worker.log",
-    )  # fmt: skip
+    )
 
 
 ENGINES: dict[str, Callable[..., Sampler]] = {"hf": _hf, "ct2": _ct2, "vllm": _vllm}
@@ -56,8 +60,10 @@ def check_sampler(eng: DictConfig, noise: list[str], rollout: DictConfig | None 
             "engine.sampler=hf with the noise"
         )
     if eng.routing_replay:
-        raise ValueError(f"engine.routing_replay=True with engine.sampler={name}; valid: false "
-                         "(only the hf sampler records its MoE routes for R3)")  # fmt: skip
+        raise ValueError(
+            f"engine.routing_replay=True with engine.sampler={name}; valid: false "
+            "(only the hf sampler records its MoE routes for R3)"
+        )
     if name == "vllm":
         r = rollout if rollout is not None else {"top_k": 0, "top_p": 1.0}
         check_vllm(eng.vllm.python, eng.sampler_dtype, r["top_k"], r["top_p"], eng.mask_replay)

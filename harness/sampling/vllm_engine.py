@@ -62,8 +62,9 @@ def check_vllm(python: str | None, dtype: str, top_k: int, top_p: float, mask_re
             "has vllm installed)"
         )
     if dtype not in DTYPES:
-        raise ValueError(f"engine.sampler_dtype={dtype!r} with engine.sampler=vllm; valid: "
-                         f"{', '.join(DTYPES)}")  # fmt: skip
+        raise ValueError(
+            f"engine.sampler_dtype={dtype!r} with engine.sampler=vllm; valid: {', '.join(DTYPES)}"
+        )
     if mask_replay and top_p < 1.0 and top_k <= 0:
         raise ValueError(
             f"rollout.top_p={top_p} with rollout.top_k={top_k}, engine.sampler=vllm and "
@@ -84,10 +85,17 @@ class VllmEngine(SecondEngine):
     name = "vllm"
 
     def __init__(
-        self, model, tokenizer, dtype: str = "fp32", python: str | None = None,
-        start_timeout_s: float = 600.0, seed: int = 0, log: str | Path | None = None,
-        gpus: str | None = None, gpu_memory_utilization: float = 0.5,
-    ):  # fmt: skip
+        self,
+        model,
+        tokenizer,
+        dtype: str = "fp32",
+        python: str | None = None,
+        start_timeout_s: float = 600.0,
+        seed: int = 0,
+        log: str | Path | None = None,
+        gpus: str | None = None,
+        gpu_memory_utilization: float = 0.5,
+    ):
         self.model = model.float()
         self.tokenizer = tokenizer
         self.dtype = dtype
@@ -109,25 +117,38 @@ class VllmEngine(SecondEngine):
     def _start(self, python: Path, timeout: float, seed: int) -> None:
         to_worker_r, self._to_worker = os.pipe()
         self._from_worker, from_worker_w = os.pipe()
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "0",
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": ""}  # fmt: skip
+        env = {
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TOKENIZERS_PARALLELISM": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": str(torch.get_num_threads()),
+            "PYTHONPATH": "",
+        }
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpus)
         self._log_file = open(self.log, "ab")
         self.proc = subprocess.Popen(
-            [str(python), str(WORKER), "--fd-in", str(to_worker_r), "--fd-out",
-             str(from_worker_w)],
-            stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+            [str(python), str(WORKER), "--fd-in", str(to_worker_r), "--fd-out", str(from_worker_w)],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
             pass_fds=(to_worker_r, from_worker_w),
-        )  # fmt: skip
+        )
         os.close(to_worker_r)
         os.close(from_worker_w)
         self._reader = os.fdopen(self._from_worker, "r")
         self._writer = os.fdopen(self._to_worker, "w")
-        init = {"op": "init", "model": str(self._dir / "weights"), "dtype": DTYPES[self.dtype],
-                "max_model_len": self.max_len or 4096, "seed": seed,
-                "gpu_memory_utilization": self.gpu_memory_utilization}  # fmt: skip
+        init = {
+            "op": "init",
+            "model": str(self._dir / "weights"),
+            "dtype": DTYPES[self.dtype],
+            "max_model_len": self.max_len or 4096,
+            "seed": seed,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+        }
         try:
             self.version = self._call(init, timeout=timeout)["version"]
         except RuntimeError as e:
@@ -157,8 +178,10 @@ class VllmEngine(SecondEngine):
                     raise self._died("closed its pipe")
                 reply = json.loads(line)
                 if not reply.pop("ok"):
-                    raise RuntimeError(f"engine.sampler=vllm: the worker failed on {req['op']!r}: "
-                                       f"{reply['error']} (log: {self.log})")  # fmt: skip
+                    raise RuntimeError(
+                        f"engine.sampler=vllm: the worker failed on {req['op']!r}: "
+                        f"{reply['error']} (log: {self.log})"
+                    )
                 return reply
             if self.proc.poll() is not None:
                 raise self._died(f"exited with code {self.proc.returncode}")
@@ -206,23 +229,46 @@ class VllmEngine(SecondEngine):
         # vLLM reports the kept support only under top-k (top-p alone with mask replay is
         # refused by check_vllm)
         truncated = top_k > 0
-        reply = self._call({
-            "op": "sample", "prompts": [r[m.bool()].tolist() for r, m in zip(ids, attn)],
-            "n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "max_tokens": max_new_tokens, "stop_ids": self.eos_ids.tolist(), "seed": seed,
-            "support": top_k if truncated else 0,
-        })  # fmt: skip
+        reply = self._call(
+            {
+                "op": "sample",
+                "prompts": [r[m.bool()].tolist() for r, m in zip(ids, attn)],
+                "n": n,
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": top_k,
+                "max_tokens": max_new_tokens,
+                "stop_ids": self.eos_ids.tolist(),
+                "seed": seed,
+                "support": top_k if truncated else 0,
+            }
+        )
         toks = [torch.tensor(t, dtype=torch.long) for t in reply["tokens"]]
         mus = [torch.tensor(mu, dtype=torch.float32) for mu in reply["logp"]]
         if not all(torch.isfinite(mu).all() for mu in mus):
-            raise FloatingPointError("vllm sampler: a sampled token has zero probability under "
-                                     "the processed law vLLM reported")  # fmt: skip
+            raise FloatingPointError(
+                "vllm sampler: a sampled token has zero probability under "
+                "the processed law vLLM reported"
+            )
         sups = None
         if truncated:  # per row [L, K]: each step's kept ids, −1 padded
-            sups = [torch.tensor([s + [-1] * (max(map(len, row)) - len(s)) for s in row],
-                                 dtype=torch.long) for row in reply["support"]]  # fmt: skip
-        return pack_rollout(ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0), toks, mus,
-                            sups, self.pad_id, n, temperature, self.device)  # fmt: skip
+            sups = [
+                torch.tensor(
+                    [s + [-1] * (max(map(len, row)) - len(s)) for s in row], dtype=torch.long
+                )
+                for row in reply["support"]
+            ]
+        return pack_rollout(
+            ids.repeat_interleave(n, 0),
+            attn.repeat_interleave(n, 0),
+            toks,
+            mus,
+            sups,
+            self.pad_id,
+            n,
+            temperature,
+            self.device,
+        )
 
 
 if __name__ == "__main__":  # python -m harness.sampling.vllm_engine: the worker's Python by default

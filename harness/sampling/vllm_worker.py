@@ -50,33 +50,51 @@ class Worker:
     def __init__(self):
         self.llm = None
 
-    def init(self, model: str, dtype: str, max_model_len: int, seed: int,
-             gpu_memory_utilization: float) -> dict:  # fmt: skip
+    def init(
+        self, model: str, dtype: str, max_model_len: int, seed: int, gpu_memory_utilization: float
+    ) -> dict:
         import torch
         import vllm
 
         torch.manual_seed(seed)
         kw = {"gpu_memory_utilization": gpu_memory_utilization} if torch.cuda.is_available() else {}
         self.llm = vllm.LLM(
-            model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs", max_logprobs=-1, **kw,
-        )  # fmt: skip
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=-1,
+            **kw,
+        )
         # one token now: a model the engine loads but has no kernel for fails here, not mid-run
-        self.llm.generate([vllm.TokensPrompt(prompt_token_ids=[0])],
-                          vllm.SamplingParams(max_tokens=1), use_tqdm=False)  # fmt: skip
+        self.llm.generate(
+            [vllm.TokensPrompt(prompt_token_ids=[0])],
+            vllm.SamplingParams(max_tokens=1),
+            use_tqdm=False,
+        )
         return {"version": vllm.__version__, "device": "cuda" if kw else "cpu"}
 
-    def sample(self, prompts, n, temperature, top_p, top_k, max_tokens, stop_ids, seed,
-               support) -> dict:  # fmt: skip
+    def sample(
+        self, prompts, n, temperature, top_p, top_k, max_tokens, stop_ids, seed, support
+    ) -> dict:
         import torch
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-            max_tokens=max_tokens, stop_token_ids=stop_ids, logprobs=support,
-            detokenize=False, ignore_eos=False,
-        )  # fmt: skip
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k if top_k > 0 else -1,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_ids,
+            logprobs=support,
+            detokenize=False,
+            ignore_eos=False,
+        )
         torch.manual_seed(seed)
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
@@ -90,10 +108,12 @@ class Worker:
                 tokens.append(ids)
                 logp.append([step[t].logprob for t, step in zip(ids, c.logprobs)])
                 if support:
-                    kept.append([
-                        [t for t, lp in step.items() if lp.logprob > float("-inf")]
-                        for step in c.logprobs
-                    ])  # fmt: skip
+                    kept.append(
+                        [
+                            [t for t, lp in step.items() if lp.logprob > float("-inf")]
+                            for step in c.logprobs
+                        ]
+                    )
         return {"tokens": tokens, "logp": logp, "support": kept if support else None}
 
     def load(self, path: str) -> dict:

@@ -217,10 +217,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--sharpen", type=float, default=1.0, help="scale the final norm's weight (the logits) "
+        "--sharpen",
+        type=float,
+        default=1.0,
+        help="scale the final norm's weight (the logits) "
         "by this: a random-init model's near-uniform law puts every token in the lowest "
         "confidence bin; smollm2-shaped with 4 layers spreads over all bins at 10",
-    )  # fmt: skip
+    )
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     dev = resolve_device(a.device, "--device")

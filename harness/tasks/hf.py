@@ -46,8 +46,10 @@ def get_field(row: dict, name: str, where: str):
     for part in name.split("."):
         if not isinstance(value, dict) or part not in value:
             have = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise ValueError(f"{where}: no field {name!r} (it has {have}); set task.layout or "
-                             "task.prompt_field / answer_field / solution_field")  # fmt: skip
+            raise ValueError(
+                f"{where}: no field {name!r} (it has {have}); set task.layout or "
+                "task.prompt_field / answer_field / solution_field"
+            )
         value = value[part]
     if isinstance(value, list) and value and isinstance(value[0], dict) and "content" in value[0]:
         user = [m["content"] for m in value if m.get("role", "user") == "user"]
@@ -90,23 +92,28 @@ def read_rows(path: str, split: str) -> tuple[list[dict], list[str]]:
         files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in FORMATS)
         kinds = {FORMATS.get(f.suffix) for f in files}
         if not files or None in kinds or len(kinds) > 1:
-            raise ValueError(f"task.path={path!r}: expected one kind of {', '.join(FORMATS)} "
-                             f"file(s), found {sorted(f.name for f in files)[:5]}")  # fmt: skip
+            raise ValueError(
+                f"task.path={path!r}: expected one kind of {', '.join(FORMATS)} "
+                f"file(s), found {sorted(f.name for f in files)[:5]}"
+            )
         ds = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
     else:
         try:
             ds = datasets.load_dataset(path, split=split)
         except Exception as e:  # noqa: BLE001 — datasets raises many types for "not there"
-            raise ValueError(f"task.path={path!r}: not a file or folder here, and not a dataset "
-                             f"in the local HF cache with a {split!r} split ({type(e).__name__}: "
-                             f"{e}); valid: a jsonl/json/parquet/arrow/csv file or folder, a "
-                             "save_to_disk folder, or a cached hub id") from None  # fmt: skip
+            raise ValueError(
+                f"task.path={path!r}: not a file or folder here, and not a dataset "
+                f"in the local HF cache with a {split!r} split ({type(e).__name__}: "
+                f"{e}); valid: a jsonl/json/parquet/arrow/csv file or folder, a "
+                "save_to_disk folder, or a cached hub id"
+            ) from None
     rows = list(ds)
     return rows, [f"{path} row {i}" for i in range(len(rows))]
 
 
-def load_problems(path: str, split: str, prompt_field: str, answer_field: str,
-                  solution_field: str | None) -> list[Problem]:  # fmt: skip
+def load_problems(
+    path: str, split: str, prompt_field: str, answer_field: str, solution_field: str | None
+) -> list[Problem]:
     """Problems with their reference answers; a row without one raises, naming it."""
     rows, where = read_rows(path, split)
     problems = []
@@ -114,8 +121,10 @@ def load_problems(path: str, split: str, prompt_field: str, answer_field: str,
         ref = str(get_field(row, answer_field, at))
         answer = extract_answer(ref)
         if answer is None:
-            raise ValueError(f"{at}: no reference answer in field {answer_field!r} "
-                             r"(expected \boxed{...}, '#### <answer>' or a number)")  # fmt: skip
+            raise ValueError(
+                f"{at}: no reference answer in field {answer_field!r} "
+                r"(expected \boxed{...}, '#### <answer>' or a number)"
+            )
         solution = str(get_field(row, solution_field, at)) if solution_field else ref
         problems.append(Problem(str(get_field(row, prompt_field, at)), answer, solution))
     if not problems:
@@ -129,8 +138,9 @@ def hash_split(problems: list[Problem], eval_frac: float) -> dict[str, list[Prob
     small file, stable when rows are added or reordered, and disjoint from train."""
     n = len(problems)
     if n < 2:
-        raise ValueError(f"task.path: {n} problem; a train and an eval split need >= 2 "
-                         "(or pass task.eval_path)")  # fmt: skip
+        raise ValueError(
+            f"task.path: {n} problem; a train and an eval split need >= 2 (or pass task.eval_path)"
+        )
     k = min(max(1, round(eval_frac * n)), n - 1)
     order = sorted(problems, key=lambda p: hashlib.sha256(p.prompt.encode()).hexdigest())
     return {"eval": order[:k], "train": order[k:]}
@@ -145,9 +155,17 @@ class DatasetTask(Task):
 
     name = "hf"
 
-    def __init__(self, path: str, eval_path: str | None, split: str, fields: tuple,
-                 eval_frac: float, grader: str, max_new_tokens: int,
-                 chat_template: bool):  # fmt: skip
+    def __init__(
+        self,
+        path: str,
+        eval_path: str | None,
+        split: str,
+        fields: tuple,
+        eval_frac: float,
+        grader: str,
+        max_new_tokens: int,
+        chat_template: bool,
+    ):
         self.chat_template, self.render = chat_template, None
         rows = load_problems(path, split, *fields)
         if eval_path is not None:
@@ -163,9 +181,11 @@ class DatasetTask(Task):
         check_split(split)
         pool = self.splits[split]
         if split == "eval" and n > len(pool):
-            warnings.warn(f"eval_n={n} exceeds the eval split ({len(pool)} problems): evaluating "
-                          f"on those {len(pool)}; set task.eval_path or task.eval_frac for more",
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"eval_n={n} exceeds the eval split ({len(pool)} problems): evaluating "
+                f"on those {len(pool)}; set task.eval_path or task.eval_frac for more",
+                stacklevel=2,
+            )
             n = len(pool)
         rng, out = split_rng(self.name, split, seed), []
         while len(out) < n:

@@ -108,6 +108,7 @@ class LocalLauncher(Launcher):
                 cloudpickle.dumps((self.hydra_context, self.task_function, cfg, self.threads))
             )
         ctx = get_context("spawn")  # no fork of a process whose OpenMP pool is running
-        with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(self.threads, os.getpid())) as pool:  # fmt: skip
+        with ProcessPoolExecutor(
+            n, mp_context=ctx, initializer=_init_worker, initargs=(self.threads, os.getpid())
+        ) as pool:
             return list(pool.map(_run, payloads))

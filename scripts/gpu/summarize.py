@@ -28,9 +28,19 @@ from harness.base.io import write_text_atomic  # noqa: E402  (standard library o
 
 # the wheels of .whl/ (scripts/gpu/wheels.sh) and what the image ships
 PACKAGES = (
-    "hydra-core", "omegaconf", "antlr4-python3-runtime", "submitit", "hydra-submitit-launcher",
-    "gguf", "transformers", "accelerate", "safetensors", "tokenizers", "numpy", "pytest",
-)  # fmt: skip
+    "hydra-core",
+    "omegaconf",
+    "antlr4-python3-runtime",
+    "submitit",
+    "hydra-submitit-launcher",
+    "gguf",
+    "transformers",
+    "accelerate",
+    "safetensors",
+    "tokenizers",
+    "numpy",
+    "pytest",
+)
 MAX_MESSAGE = 300  # characters of a failure message kept per failing test
 MAX_FP8_BYTES = 20_000  # an fp8_fidelity JSON larger than this is summarised by its keys
 
@@ -98,8 +108,14 @@ def parse_verbose_log(path: Path) -> dict:
         return {"present": False}
     out = {"present": False, "from_log": True, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     failing, last = [], None
-    kind = {"PASSED": "passed", "XFAIL": "passed", "XPASS": "passed", "FAILED": "failed",
-            "ERROR": "errors", "SKIPPED": "skipped"}  # fmt: skip
+    kind = {
+        "PASSED": "passed",
+        "XFAIL": "passed",
+        "XPASS": "passed",
+        "FAILED": "failed",
+        "ERROR": "errors",
+        "SKIPPED": "skipped",
+    }
     for line in path.read_text(errors="replace").splitlines():
         if m := VERBOSE_LINE.match(line):
             out[kind[m[2]]] += 1
@@ -278,8 +294,10 @@ def env_info() -> dict:
         q = "name,driver_version,memory.total,compute_cap"
         info["nvidia_smi"] = subprocess.run(
             ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30,
-        ).stdout.strip()  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError) as e:
         info["nvidia_smi"] = f"unavailable: {e}"
     try:
