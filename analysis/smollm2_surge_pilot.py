@@ -38,18 +38,25 @@ def shape(df: pd.DataFrame) -> pd.DataFrame:
         evals = g.dropna(subset=["eval_acc"]).sort_values("step")
         s_event, s_at = surge(g)
         h_event, h_at = healthy_surge(g)
-        rows.append({
-            "arm": g.arm.iloc[0], "seed": g.seed.iloc[0], "last_step": int(g.step.max()),
-            "complete": bool(g.complete.iloc[0]),
-            "healthy_rise": healthy_rise(g),
-            "healthy_peak_step": float(r.idxmax()) if r.notna().any() else float("nan"),
-            "surge": s_event, "surge_at": s_at, "healthy_surge": h_event, "healthy_surge_at": h_at,
-            "eval_first": evals.eval_acc.iloc[0] if len(evals) else float("nan"),
-            "eval_last": evals.eval_acc.iloc[-1] if len(evals) else float("nan"),
-            "eval_last_step": int(evals.step.iloc[-1]) if len(evals) else -1,
-            "entropy_first10": g[g.step <= WINDOW].entropy_mean.mean(),
-            "entropy_last10": g[g.step > g.step.max() - WINDOW].entropy_mean.mean(),
-        })  # fmt: skip
+        rows.append(
+            {
+                "arm": g.arm.iloc[0],
+                "seed": g.seed.iloc[0],
+                "last_step": int(g.step.max()),
+                "complete": bool(g.complete.iloc[0]),
+                "healthy_rise": healthy_rise(g),
+                "healthy_peak_step": float(r.idxmax()) if r.notna().any() else float("nan"),
+                "surge": s_event,
+                "surge_at": s_at,
+                "healthy_surge": h_event,
+                "healthy_surge_at": h_at,
+                "eval_first": evals.eval_acc.iloc[0] if len(evals) else float("nan"),
+                "eval_last": evals.eval_acc.iloc[-1] if len(evals) else float("nan"),
+                "eval_last_step": int(evals.step.iloc[-1]) if len(evals) else -1,
+                "entropy_first10": g[g.step <= WINDOW].entropy_mean.mean(),
+                "entropy_last10": g[g.step > g.step.max() - WINDOW].entropy_mean.mean(),
+            }
+        )
     return pd.DataFrame(rows)
 
 
