@@ -11,10 +11,9 @@ tokenizer: `harness.base.models.smollm2_shaped`). Work: arithmetic prompts,
 `--prompts` × `--group` rows of `--new-tokens` tokens each (EOS off, so every device decodes the
 same number of tokens whatever it samples).
 
-A step is `benchmarks/bench_step.py`'s ratiolab step (`RatiolabStep`, variant `loop`: what
-`harness.train` runs at staleness 0 with one minibatch): `harness.rl.step.collect` on the sampler's
-own copy of the weights, `harness.rl.step.update` with `ppo_clip` and the loop's optimizer
-(`harness.rl.step.adamw`: fp32 master weights for a bf16 model), then the weight sync. An Engine
+A step is `benchmarks/bench_step.py`'s ratiolab step (`RatiolabStep`, variant `loop`): the
+training loop's own `harness.train.train_step` at staleness 0 with one minibatch, `ppo_clip`
+and the loop's optimizer (`harness.rl.step.adamw`: fp32 master weights for a bf16 model). An Engine
 runs on its model's device, so each (model, device, dtype) gets the model moved there and cast.
 CUDA is synchronised before and after each step. `--warmup` steps are run untimed first.
 Prints the median step seconds per (model, device, dtype) and the CPU/CUDA ratio; the JSON
@@ -53,15 +52,15 @@ def time_steps(base, tok, work, dev: torch.device, dtype: str, warmup: int, step
     model = copy.deepcopy(base).to(dev)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
-    rs = RatiolabStep(model, tok, work)  # the trainer on `model`, the sampler on its deep copy
-    assert rs.trainer.device.type == dev.type and rs.sampler.device.type == dev.type
+    rs = RatiolabStep(model, tok, work, "")  # the trainer on `model`, the sampler on its copy
+    assert rs.s.policy.device.type == dev.type and rs.sampler.device.type == dev.type
     problems = work.task.sample(work.prompts * (warmup + steps), "train", 0)
     times, phases = [], []
     for i in range(warmup + steps):
         sel = problems[work.prompts * i : work.prompts * (i + 1)]
         sync(dev)
         t0 = time.perf_counter()
-        ph = rs(sel, [p.prompt for p in sel], seed=i, variant="loop")
+        ph = rs(sel, seed=i, variant="loop")
         sync(dev)
         dt = time.perf_counter() - t0
         if i >= warmup:
@@ -149,7 +148,7 @@ def main() -> None:
             "group": work.group,
             "new_tokens": work.new_tokens,
             "eos": False,
-            "step": "bench_step.RatiolabStep variant loop (collect + update + sync)",
+            "step": "bench_step.RatiolabStep variant loop (harness.train.train_step)",
             "grad_clip": CLIP,
             "lr": LR,
         },

@@ -17,17 +17,13 @@ fastest configuration for this work.
 
 Both run in one process, interleaved: TRL's `train()` runs warm-up + pairs steps, and a callback
 times each TRL step (on_step_begin → on_step_end) and then runs and times one ratiolab step per
-variant. The ratiolab step is `harness.train.run`'s step itself: `harness.rl.step.collect` (the
-sampler's own copy of the weights, rewards, group advantages) and `harness.rl.step.update` (the
-registered objective, fused AdamW, `WeightHistory.push`), then the weight sync to the sampler.
-Variant `loop` is what `harness.train` does at staleness 0 with one minibatch: the training pass
-doubles as π_old (`collect(old_policy=None)`: π_old := detached π_θ, with p_t / entropy / Σp²
-from the same pass), as TRL does when each rollout batch is used once. Variant `recompute`
-passes the trainer as π_old to `collect`: the separate π_old pass the loop runs when α is
-configured. Variant `before` is `recompute` with every fast path of the engine off (shared
-prompt prefill/prefix, the lean decode loop of harness/sampling/decode.py, dropping finished rows
-from the decode batch); `noprune` is `loop` with finished rows kept in the decode batch. All
-interleaved in the same run.
+variant. The ratiolab step is the training loop's own, `harness.train.train_step`, on a `Setup`
+built from the training schema's defaults and the bench's work, whose task hands the loop the
+pair's problems: μ samples on its own copy of the weights, rewards, group advantages, π_old, the
+registered objective with fused AdamW, the weight sync, the step's metrics. Variant `loop` is the
+default at staleness 0 with one minibatch: the training pass doubles as π_old, as TRL does when
+each rollout batch is used once. Variant `recompute` scores π_old in a pass of its own, as the
+loop does when α is configured. Both interleaved in the same run.
 After the pairs, one `loop` step runs under the torch profiler: its time inside GEMM kernels over
 TRL's median step is `gemm_floor_ratio`, the lowest ratio reachable without faster GEMMs (TRL runs
 the same GEMMs). Writes results/bench/step_<model>[_eos_<task>].json
@@ -43,8 +39,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +60,14 @@ from benchmarks.common import (
     write_json,
 )
 from harness.base.models import DTYPES
-from harness.objectives import build_objective
 from harness.rl.alpha import WeightHistory
-from harness.rl.setup import build_engines
-from harness.rl.step import Sampling, adamw, collect, update
+from harness.rl.setup import Setup, build_engines, build_train_objective
+from harness.rl.step import adamw
 from harness.runs.config import schema
+from harness.stats.diagnostics import collapse_guard
+from harness.tasks import Task
 from harness.tasks.arithmetic import arithmetic
+from harness.train import train_step
 
 
 @dataclass(frozen=True)
@@ -99,73 +96,83 @@ def work_for(kind: str, task_name: str, prompts: int | None = None, group: int |
     return Work(prompts or r.prompts_per_step, group or r.group_size, budget, True, task)
 
 
-class RatiolabStep:
-    """One GRPO step of `harness.train.run` (clean, staleness 0, one minibatch), metrics aside.
+class PairProblems(Task):
+    """The bench's task as the loop sees it: `sample` hands out the problems of the current pair
+    (set by the caller, with the instruction prefix the TRL side's prompts carry); rewards are
+    the task's own."""
 
-    The variants share one model/optimizer/sampler state (the work does not depend on the
-    weight values), which keeps SmolLM2 runs within a small machine's memory."""
+    def __init__(self, task: Task, prefix: str):
+        self.task, self.prefix, self.problems = task, prefix, []
+        self.max_new_tokens = task.max_new_tokens
 
-    def __init__(self, model, tok, work: Work):
-        self.model = model
-        # the loop's engines at the default config (clean μ on its own copy, π_θ on `model`),
-        # both in the model's dtype
-        cfg = schema()
-        dtype = next(model.parameters()).dtype
-        cfg.engine.sampler_dtype = next(k for k, v in DTYPES.items() if v == dtype)
-        self.trainer, _, self.sampler, _ = build_engines(cfg, model, tok)
-        if not work.eos:  # all rows run new_tokens tokens
-            self.sampler.eos_ids = torch.empty(0, dtype=torch.long, device=self.sampler.device)
-        self.tok, self.work = tok, work
-        self.waste: list[dict[str, float]] = []
-        self.objective = build_objective(
-            "ppo_clip", eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation="token-mean"
-        )
-        self.opt = adamw(model, lr=LR, betas=(0.9, 0.99))  # the loop's: fused; bf16: fp32 master
-        self.history = WeightHistory(0)
-        self.history.push(model)
+    def sample(self, n: int, split: str, seed: int):
+        return [replace(p, prompt=self.prefix + p.prompt) for p in self.problems]
 
-    def __call__(self, problems, prompts, seed: int, variant: str) -> dict[str, float]:
-        off = {
-            "before": ("_can_share_prefix", "_can_decode_lean", "_can_prune"),  # every fast path
-            "noprune": ("_can_prune",),  # finished rows keep decoding
-        }.get(variant, ())
-        for eng in (self.trainer, self.sampler):
-            for name in off:
-                setattr(eng, name, lambda: False)
-        try:
-            return self._step(problems, prompts, seed, skip_old=variant in ("loop", "noprune"))
-        finally:
-            for eng in (self.trainer, self.sampler):
-                for name in off:
-                    eng.__dict__.pop(name, None)
+    def reward(self, problem, response: str) -> float:
+        return self.task.reward(problem, response)
 
-    def _step(self, problems, prompts, seed: int, skip_old: bool) -> dict[str, float]:
-        t: dict[str, float] = {}
-        t0 = time.perf_counter()
-        old_policy = None if skip_old else self.trainer
-        reward = partial(self.work.task.rollout_rewards, problems, tokenizer=self.tok)
-        sampling = Sampling(self.work.group, self.work.new_tokens)
-        batch, ro, _ = collect(self.sampler, old_policy, prompts, reward, sampling, seed=seed)
-        t["collect"] = time.perf_counter() - t0
+
+class Recording:
+    """μ as the loop uses it, keeping the padding share of every rollout it samples."""
+
+    def __init__(self, engine):
+        self.engine, self.waste = engine, []
+
+    def generate(self, *args, **kw):
+        ro = self.engine.generate(*args, **kw)
         self.waste.append(waste(ro))
-        t1 = time.perf_counter()
-        rows = torch.arange(ro.response_ids.shape[0])
-        update(
-            self.trainer,
-            self.objective,
-            batch,
-            ro,
-            [(rows, 0)],
-            self.opt,
-            CLIP,
-            on_step=lambda: self.history.push(self.model),
+        return ro
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+class RatiolabStep:
+    """`harness.train.train_step` on the bench's problems. The variants share one model /
+    optimizer / sampler state (the work does not depend on the weight values), which keeps
+    SmolLM2 runs within a small machine's memory."""
+
+    def __init__(self, model, tok, work: Work, prefix: str):
+        # the training schema's defaults (clean μ on its own copy, one minibatch, staleness 0),
+        # the model's dtype on both sides, and the bench's work, objective and optimizer
+        cfg = schema()
+        dtype = next(k for k, v in DTYPES.items() if v == next(model.parameters()).dtype)
+        cfg.engine.sampler_dtype = cfg.engine.trainer_dtype = dtype
+        cfg.rollout.prompts_per_step, cfg.rollout.group_size = work.prompts, work.group
+        cfg.rollout.max_new_tokens = work.new_tokens
+        cfg.objective = {"name": "ppo_clip", "eps_low": EPS_LOW, "eps_high": EPS_HIGH}
+        cfg.aggregation = {"name": "token-mean"}
+        cfg.optim.lr, cfg.optim.grad_clip = LR, CLIP
+        policy, _, sampler, _ = build_engines(cfg, model, tok)
+        if not work.eos:  # all rows run new_tokens tokens
+            sampler.eos_ids = torch.empty(0, dtype=torch.long, device=sampler.device)
+        self.cfg, self.sampler = cfg, Recording(sampler)
+        self.s = Setup(
+            task=PairProblems(work.task, prefix),
+            harder_task=None,
+            tok=tok,
+            policy=policy,
+            old_policy=policy,
+            sampler=self.sampler,
+            teacher=None,
+            objective=build_train_objective(cfg),
+            opt=adamw(model, lr=LR, betas=(cfg.optim.beta1, cfg.optim.beta2)),
+            history=WeightHistory(0),
+            identity={},
+            sigma0=[],
         )
-        t["update"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        self.sampler.load_weights_from_state(self.history.behaviour())
-        t["sync"] = time.perf_counter() - t1
-        t["step"] = time.perf_counter() - t0
-        return t
+        self.s.history.push(self.s.trainer)
+
+    def __call__(self, problems, seed: int, variant: str) -> dict[str, float]:
+        """One step on `problems` (π_old: the training pass for `loop`, its own pass for
+        `recompute`): seconds in the loop's rollout (sampling, rewards, π_old) and update phases
+        and in the step as a whole (the rest: the weight sync and the step's metrics)."""
+        s = replace(self.s, old_policy=None if variant == "loop" else self.s.policy)
+        s.task.problems = problems
+        t0 = time.perf_counter()
+        m, _ = train_step(s, self.cfg, seed + 1, collapse_guard())
+        step = time.perf_counter() - t0
+        return {"collect": m["time/rollout_s"], "update": m["time/update_s"], "step": step}
 
 
 def waste(ro) -> dict[str, float]:
@@ -282,11 +289,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--variants",
-        default="loop,recompute,before",
+        default="loop,recompute",
         help="ratiolab variants: loop (as harness.train runs at staleness 0 with one minibatch: "
         "the training pass doubles as π_old), recompute (a separate π_old pass, as with α "
-        "configured), before (recompute with every engine fast path off), noprune "
-        "(loop with finished rows kept in the decode batch)",
+        "configured)",
     )
     ap.add_argument("--trl-gradient-checkpointing", action="store_true")
     ap.add_argument("--out", default=None)
@@ -306,7 +312,7 @@ def main() -> None:
     assert max(n_prompt_tok) <= 64, max(n_prompt_tok)
 
     variants = a.variants.split(",")
-    ratiolab = RatiolabStep(copy.deepcopy(base), tok, work)
+    ratiolab = RatiolabStep(copy.deepcopy(base), tok, work, prefix)
     trl_model = copy.deepcopy(base).train()
     del base
     import tempfile
@@ -350,7 +356,7 @@ def main() -> None:
                 }
                 sel = problems[work.prompts * i : work.prompts * (i + 1)]
                 for v in variants:
-                    row[v] = ratiolab(sel, [prefix + p.prompt for p in sel], seed=i, variant=v)
+                    row[v] = ratiolab(sel, seed=i, variant=v)
                 rows.append(row)
                 print(
                     json.dumps(
@@ -381,7 +387,8 @@ def main() -> None:
             "eos": work.eos,
             # of the ratiolab rollouts (every variant samples the same rows)
             "padding_mean": {
-                k: statistics.mean(w[k] for w in ratiolab.waste) for k in ratiolab.waste[0]
+                k: statistics.mean(w[k] for w in ratiolab.sampler.waste)
+                for k in ratiolab.sampler.waste[0]
             },
             "prompt_tokens_max": max(n_prompt_tok),
             "prompt_tokens_mean": statistics.mean(n_prompt_tok),
@@ -418,7 +425,7 @@ def main() -> None:
     # the floor: time inside GEMM kernels during one profiled `loop` step. The same GEMMs run on
     # TRL's side, so no overhead cut can take the ratio below gemm_floor_ratio.
     sel = problems[: work.prompts]
-    gemm_s = gemm_seconds(lambda: ratiolab(sel, [prefix + p.prompt for p in sel], 0, "loop"))
+    gemm_s = gemm_seconds(lambda: ratiolab(sel, 0, "loop"))
     report["ratiolab_loop_gemm_s"] = gemm_s
     report["gemm_floor_ratio"] = gemm_s / report["trl_step_s"]["median"]
     # the most any overhead cut can speed ratiolab's own step up, at this GEMM speed
