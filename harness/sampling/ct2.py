@@ -29,6 +29,7 @@ from harness.base.io import make_temp_dir
 from harness.base.models import cache_dir, weights_sha
 from harness.sampling.logprobs import check_sampling, kept_support, process_logits
 from harness.sampling.rollout import (
+    Rollout,
     SecondEngine,
     check_request,
     encode_prompts,
@@ -144,7 +145,9 @@ class Ct2Engine(SecondEngine):
             if old.parent == self._syncs:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress):
+    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress,
+               batch_rows) -> Rollout:  # fmt: skip
+        self.whole_batch(batch_rows)
         check_sampling(temperature, top_k, top_p)
         ids, attn = encode_prompts(self.tokenizer, prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)

@@ -42,7 +42,14 @@ from harness.sampling.logprobs import (
     process_logits,
     replay_mask,
 )
-from harness.sampling.rollout import Rollout, check_request, copy_weights, encode_prompts, eos_ids
+from harness.sampling.rollout import (
+    Rollout,
+    Sampler,
+    check_request,
+    copy_weights,
+    encode_prompts,
+    eos_ids,
+)
 
 
 def sample_rows(probs: Tensor, rows: Tensor, B: int, g: torch.Generator) -> Tensor:
@@ -192,7 +199,7 @@ def _as_in_forward(ctx, routes: list[tuple[RoutingReplay, Tensor | None]]):
             replay.indices = indices
 
 
-class Engine:
+class Engine(Sampler):
     """`model` is used as given (dtype, attention implementation, attached noise).
 
     kv_cache=False decodes by full recompute at every step (the `kv` natural difference).
@@ -287,21 +294,10 @@ class Engine:
         return out.logits[:, -1].float()
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[str] | list[list[int]],
-        n: int = 1,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        progress: bool = False,
-        batch_rows: tuple[int, int] | None = None,
-    ) -> Rollout:
-        """`batch_rows` (first, total): this call's rows are rows first, first + 1, ... of a batch
-        of `total` rows whose random draws it shares (a rank's share of the step's groups): row i
-        gets the draws row first + i gets when one call samples the whole batch."""
+    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress,
+               batch_rows) -> Rollout:  # fmt: skip
+        """`Sampler.generate` on this process's transformers model: a shared prompt prefill, the
+        KV cache, finished rows dropped from the decode batch, β injected by the noise hooks."""
         check_sampling(temperature, top_k, top_p)
         ids, attn = self.encode_prompts(prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -125,52 +125,14 @@ def copy_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
         p.copy_(state[name])
 
 
-class Sampler(Protocol):
+class Sampler:
     """μ as the loop uses it: sample G responses per prompt (`logp_mu` under the law it sampled
-    from), take the trainer's new weights, release what it holds."""
+    from), take the trainer's new weights, release what it holds. The HF `Engine`, `Ct2Engine`
+    and `VllmEngine` implement `sample` (the arguments of `generate`, positional),
+    `load_weights_from_state` and `close`."""
 
     tokenizer: Any
     noise: list  # the injected β models (empty for an engine whose β is its own)
-
-    def generate(
-        self,
-        prompts: list[str] | list[list[int]],
-        n: int = 1,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        progress: bool = False,
-        batch_rows: tuple[int, int] | None = None,
-    ) -> Rollout: ...
-
-    def load_weights_from_state(self, state: dict[str, Tensor]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class SecondEngine:
-    """μ in an inference engine of its own (CTranslate2, vLLM). `self.model`, an HF model, holds
-    the weights the engine converts or reloads; a weight sync copies the trainer's weights into
-    it, lets the engine `reload`, and keeps the seconds that took in `sync_s`. One process
-    samples the whole batch: a rank's share (`batch_rows`) is refused."""
-
-    name: str  # engine.sampler
-    model: torch.nn.Module
-    sync_s: list[float]
-
-    def reload(self) -> None:
-        raise NotImplementedError
-
-    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress):
-        raise NotImplementedError
-
-    def load_weights_from_state(self, state: dict[str, Tensor]) -> None:
-        t = time.perf_counter()
-        copy_weights(self.model, state)
-        self.reload()
-        self.sync_s.append(time.perf_counter() - t)
 
     @torch.no_grad()
     def generate(
@@ -185,8 +147,46 @@ class SecondEngine:
         progress: bool = False,
         batch_rows: tuple[int, int] | None = None,
     ) -> Rollout:
-        """`Sampler.generate`; several ranks are refused with these engines before any compute
-        (harness.runs.validate.validate_ranks), so `batch_rows` here is a caller's error."""
+        """n samples of each prompt (text, or token ids) under temperature / top-p / top-k,
+        seeded by `seed`. `batch_rows` (first, total): this call's rows are rows first,
+        first + 1, ... of a batch of `total` rows whose random draws it shares (a rank's share
+        of the step's groups): row i gets the draws row first + i gets when one call samples
+        the whole batch."""
+        return self.sample(
+            prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress, batch_rows
+        )
+
+    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress,
+               batch_rows) -> Rollout:  # fmt: skip
+        raise NotImplementedError
+
+    def load_weights_from_state(self, state: dict[str, Tensor]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the engine holds (a worker, temp folders); nothing by default."""
+
+
+class SecondEngine(Sampler):
+    """μ in an inference engine of its own (CTranslate2, vLLM). `self.model`, an HF model, holds
+    the weights the engine converts or reloads; a weight sync copies the trainer's weights into
+    it, lets the engine `reload`, and keeps the seconds that took in `sync_s`. One process
+    samples the whole batch: a rank's share (`batch_rows`) is refused (several ranks are
+    refused with these engines before any compute, harness.runs.validate.validate_ranks)."""
+
+    name: str  # engine.sampler
+    model: torch.nn.Module
+    sync_s: list[float]
+
+    def reload(self) -> None:
+        raise NotImplementedError
+
+    def load_weights_from_state(self, state: dict[str, Tensor]) -> None:
+        t = time.perf_counter()
+        copy_weights(self.model, state)
+        self.reload()
+        self.sync_s.append(time.perf_counter() - t)
+
+    def whole_batch(self, batch_rows: tuple[int, int] | None) -> None:
         if batch_rows is not None:
             raise ValueError(f"engine.sampler={self.name} samples the whole batch in one process")
-        return self.sample(prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress)

@@ -27,6 +27,7 @@ import torch
 from harness.base.models import cache_dir
 from harness.sampling.logprobs import check_sampling
 from harness.sampling.rollout import (
+    Rollout,
     SecondEngine,
     check_request,
     encode_prompts,
@@ -221,8 +222,10 @@ class VllmEngine(SecondEngine):
 
     # --- sampling --------------------------------------------------------------------------
 
-    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress):
+    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress,
+               batch_rows) -> Rollout:  # fmt: skip
         """One call to the worker for the whole batch (no progress bar)."""
+        self.whole_batch(batch_rows)
         check_sampling(temperature, top_k, top_p)
         ids, attn = encode_prompts(self.tokenizer, prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)
