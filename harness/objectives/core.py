@@ -32,6 +32,7 @@ from harness.base.batch import (
     log_ratio_folded,
     log_ratio_trust_region,
     log_rho,
+    masked_mean,
 )
 from harness.base.registry import check_kwargs, lookup, register
 from harness.stats.diagnostics import SAFETY, ess
@@ -264,16 +265,15 @@ def policy_metrics(
     loop logs them as dial/*).
     """
     m = batch.mask
-    n = m.sum().clamp_min(1.0)
     k = m * keep
     per_seq = k.sum(-1)
     w_seq = (weight * k).sum(-1) / per_seq.clamp_min(1.0)
     vals = {
-        "clip/frac_low": (low * m).sum() / n,
-        "clip/frac_high": (high * m).sum() / n,
-        "mask/frac": ((1 - keep) * m).sum() / n,
-        "rescue/frac": (flip * m).sum() / n,
-        "is/weight_mean": (weight * k).sum() / k.sum().clamp_min(1.0),
+        "clip/frac_low": masked_mean(low, m),
+        "clip/frac_high": masked_mean(high, m),
+        "mask/frac": masked_mean(1 - keep, m),
+        "rescue/frac": masked_mean(flip, m),
+        "is/weight_mean": masked_mean(weight, k),
         "is/weight_max": weight.masked_fill(k == 0, -math.inf).max(),
         "is/weight_min": weight.masked_fill(k == 0, math.inf).min(),
     }

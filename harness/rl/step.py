@@ -24,7 +24,12 @@ import torch
 from torch import Tensor
 
 from harness.base import distributed
-from harness.base.batch import TokenBatch, group_advantages
+from harness.base.batch import (
+    TokenBatch,
+    group_advantages,
+    log_ratio_trust_region,
+    masked_mean,
+)
 from harness.base.distributed import ONE, Ranks
 from harness.objectives.core import ObjectiveOutput
 from harness.sampling.engines import Engine, micro_batches
@@ -264,7 +269,7 @@ def trust_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> float:
     """Mean |log π_θ − log π_old| over response tokens: the policy movement the trust region (the
     PPO clip) sees at this minibatch's update; α alone when π_old is the trainer's recompute,
     α + β when π_old := μ."""
-    return float(((logp - logp_old).abs() * mask).sum() / mask.sum().clamp_min(1.0))
+    return float(masked_mean(log_ratio_trust_region(logp, logp_old).abs(), mask))
 
 
 def update(

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from harness.base.batch import log_rho
+from harness.base.batch import log_rho, masked_mean
 
 # the confidence bins of trainer p_t, [lo, hi), the last closed (DERIVED: the SNR post bins by
 # p_t without giving fixed edges)
@@ -52,29 +52,25 @@ def bin_label(lo: float, hi: float) -> str:
     return f"bin_{lo:g}-{hi:g}"
 
 
-def _mean(v: Tensor, m: Tensor) -> float:
-    return float((v * m).sum() / m.sum().clamp_min(1))
-
-
 def _ratio(x: Tensor) -> Tensor:
     return x.double().clamp(-SAFETY, SAFETY).exp()
 
 
 def mean_ratio(x: Tensor, m: Tensor, cap: float | None = None) -> float:
     r = _ratio(x)
-    return _mean(r if cap is None else r.clamp(max=cap), m)
+    return float(masked_mean(r if cap is None else r.clamp(max=cap), m))
 
 
 def kl_k1(x: Tensor, m: Tensor) -> float:
-    return _mean(-x.double(), m)
+    return float(masked_mean(-x.double(), m))
 
 
 def kl_k3(x: Tensor, m: Tensor) -> float:
-    return _mean(_ratio(x) - 1 - x.double().clamp(-SAFETY, SAFETY), m)
+    return float(masked_mean(_ratio(x) - 1 - x.double().clamp(-SAFETY, SAFETY), m))
 
 
 def chi2(x: Tensor, m: Tensor) -> float:
-    return _mean((_ratio(x) - 1) ** 2, m)
+    return float(masked_mean((_ratio(x) - 1) ** 2, m))
 
 
 def ess_from_sums(s1: float, s2: float, n: float) -> float:
@@ -98,7 +94,7 @@ def out_of_band(x: Tensor, band: tuple[float, float] = BAND) -> Tensor:
 
 
 def out_of_band_frac(x: Tensor, m: Tensor, band: tuple[float, float] = BAND) -> float:
-    return _mean(out_of_band(x, band).double(), m)
+    return float(masked_mean(out_of_band(x, band).double(), m))
 
 
 def fork_oob_share(x: Tensor, p_t: Tensor, m: Tensor, band: tuple[float, float] = BAND) -> float:
