@@ -70,7 +70,9 @@ def test_registry_keys():
         "ppo_clip", "gspo", "tis", "mis", "cispo", "band", "dppo_tv", "snr_shrink", "nsr",
         "calibrated_clip", "cis", "stapo", "opsd_fkl", "grid",
     }  # fmt: skip
-    assert set(AGGREGATIONS) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+    assert set(AGGREGATIONS) == {
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+    }  # fmt: skip
 
 
 def test_unknown_name_lists_valid_names():
