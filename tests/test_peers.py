@@ -577,8 +577,9 @@ PEER_DEFAULTS = {
                    c=None, off_policy_mask_threshold=None, aggregation="token-mean"),
     "luspo": dict(eps_low=0.2, eps_high=0.2, c=None, aggregation="seq-mean-token-sum"),
     "vespo": dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0, is_clip_max=3.0),
-    # slime arguments.py: --opsm-delta 1e-4, --eps-clip 0.2, --eps-clip-high None, --eps-clip-c None
-    "opsm": dict(delta=1e-4, eps_low=0.2, eps_high=None, c=None),
+    # slime arguments.py: --opsm-delta 1e-4, --eps-clip 0.2, --eps-clip-high None (= --eps-clip),
+    # --eps-clip-c None
+    "opsm": dict(delta=1e-4, eps_low=0.2, eps_high=0.2, c=None),
     # SkyRL config.py: eps_clip_low/high 0.2, geo_mask 0.99/1.01 (via lo/hi None), outliers None
     "geo_mask": dict(eps_low=0.2, eps_high=0.2, outlier_low=None, outlier_high=None, tis=None),
 }  # fmt: skip
@@ -592,3 +593,17 @@ def test_builder_defaults_are_the_peers(name):
 
 def test_verl_rejection_fraction_is_aliased_to_mask_frac():
     assert aliased({"mask/frac": 0.25})["rollout_corr/rollout_rs_masked_fraction"] == 0.25
+
+
+@pytest.mark.parametrize("name", sorted(PEER_DEFAULTS))
+def test_the_mechanism_check_reads_each_peer_objective(name):
+    """harness.train's step-0 check reads an objective's band and ε from its builder; a None
+    there (geo_mask's lo/hi) falls back to [0.5, 2], and the peers' ε is 0.2/0.2."""
+    from omegaconf import OmegaConf
+
+    from harness.rl.mechanism import band_and_eps
+
+    band, eps = band_and_eps(OmegaConf.create({"name": name}))
+    assert band == (0.5, 2.0) and eps in ((0.2, 0.2), (0.2, 0.28))
+    if name in ("geo_mask", "opsm", "rollout_rs"):
+        assert eps == (0.2, 0.2)

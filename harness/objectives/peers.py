@@ -252,17 +252,17 @@ def opsm(
     delta: float = 1e-4,
     ratio: str = "trust",
     eps_low: float = PEER_EPS,
-    eps_high: float | None = None,
+    eps_high: float = PEER_EPS,
     c: float | None = None,
     aggregation: str = "token-mean",
     rejected_in_denominator: bool = True,
     norm_len: int | None = None,
 ) -> PolicyObjective:
     """slime --use-opsm (utils/arguments.py: --opsm-delta 1e-4; --eps-clip 0.2, --eps-clip-high
-    unset = --eps-clip, --eps-clip-c unset): PPO clip with the sequences of negative advantage
+    unset so 0.2 too, --eps-clip-c unset): PPO clip with the sequences of negative advantage
     masked where mean_t (log π_old − log π_θ) > δ (ratio folded: --use-rollout-logprobs, q = μ)."""
     return PolicyObjective(
-        clip_term("ppo_clip", eps_low, eps_low if eps_high is None else eps_high, c),
+        clip_term("ppo_clip", eps_low, eps_high, c),
         (OffPolicySeqMask(delta, ratio),),
         aggregation=aggregation,
         rejected_in_denominator=rejected_in_denominator,
