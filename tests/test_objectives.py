@@ -81,8 +81,25 @@ def test_registry_keys():
         "stapo",
         "opsd_fkl",
         "grid",
+        # the peer frameworks' (harness/objectives/peers.py; tests/test_peers.py)
+        "rollout_rs",
+        "trl_is",
+        "opsm",
+        "geo_mask",
+        "sapo",
+        "geo_mean",
+        "dppo_kl",
+        "clip_cov",
+        "kl_cov",
+        "luspo",
+        "vespo",
     }
-    assert set(AGGREGATIONS) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+    assert set(AGGREGATIONS) == {
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    }
 
 
 def test_unknown_name_lists_valid_names():
@@ -415,10 +432,12 @@ def test_mu_equals_pi_old_makes_every_is_weight_one():
 
 @pytest.mark.parametrize("name", POLICY)
 def test_unit_ratio_gradient_is_vanilla_pg(name):
-    # r ≡ 1 (π_θ = π_old = μ): every surrogate's gradient is -A/N, the vanilla policy gradient
+    # r ≡ 1 (π_θ = π_old = μ): every surrogate's gradient is -A/N, the vanilla policy gradient.
+    # Clip-Cov cuts random high-covariance tokens whatever r (its point): an empty window here.
     _, b = random_batch(entropy=True)
     b.logp_mu = b.logp_old.clone()
-    _, grad, _ = run(build_objective(name, aggregation="token-mean"), b.logp_old, b)
+    kw = dict(clip_cov_lb=1e9, clip_cov_ub=2e9) if name == "clip_cov" else {}
+    _, grad, _ = run(build_objective(name, aggregation="token-mean", **kw), b.logp_old, b)
     torch.testing.assert_close(grad, -b.advantages * b.mask / b.mask.sum())
 
 

@@ -5,9 +5,10 @@
     out.loss.backward(); log(out.metrics)
 
 Registries: OBJECTIVES (ppo_clip, gspo, tis, mis, cispo, band, dppo_tv, snr_shrink, nsr,
-calibrated_clip, cis, stapo, opsd_fkl, grid) and AGGREGATIONS (token-mean, seq-mean-token-mean,
-seq-mean-token-sum-norm). Unknown names raise KeyError and unknown kwargs TypeError, both listing
-the valid ones. Training-loop contract:
+calibrated_clip, cis, stapo, opsd_fkl, grid; the peer frameworks' rollout_rs, trl_is, opsm,
+geo_mask, sapo, geo_mean, dppo_kl, clip_cov, kl_cov, luspo, vespo) and AGGREGATIONS (token-mean,
+seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm). Unknown names raise KeyError
+and unknown kwargs TypeError, both listing the valid ones. Training-loop contract:
   - `obj.inputs` is "logp" (obj(logp, batch)) or "logits" (opsd_fkl: obj(student, teacher, mask));
   - every objective has `state_dict()` / `load_state_dict()` (empty when stateless): checkpoint it;
   - `obj.calibration_due(step)` (calibrated_clip): feed `obj.calibrate(...)` a high-precision
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness.base.registry import build
-from harness.objectives import calibrated, methods, nsr, opsd  # noqa: F401  (fill the registries)
+from harness.objectives import calibrated, methods, nsr, opsd, peers  # noqa: F401  (registries)
 from harness.objectives.core import AGGREGATIONS, OBJECTIVES, Objective, ObjectiveOutput
 
 __all__ = ["AGGREGATIONS", "OBJECTIVES", "Objective", "ObjectiveOutput", "build_objective"]

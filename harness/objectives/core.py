@@ -236,6 +236,13 @@ def seq_mean_token_mean(loss: Tensor, den: Tensor) -> Tensor:
     return (loss.sum(-1) / den.sum(-1).clamp_min(1.0)).sum() / n_sequences(den)
 
 
+@register(AGGREGATIONS, "seq-mean-token-sum")
+def seq_mean_token_sum(loss: Tensor, den: Tensor) -> Tensor:
+    """verl seq-mean-token-sum (core_algos.agg_loss): mean over sequences of Σ_t ℓ, no length
+    normaliser (LUSPO's ℓ_i·|y_i| when ℓ is constant along the sequence)."""
+    return loss.sum() / n_sequences(den)
+
+
 @register(AGGREGATIONS, "seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(loss: Tensor, den: Tensor, norm_len: int | None = None) -> Tensor:
     """Dr.GRPO: Σ_{i,t} ℓ / (B · L), constant L = norm_len (default: the padded length T)."""

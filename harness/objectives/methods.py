@@ -168,19 +168,38 @@ def band(
     )
 
 
+def binary_kl(logp_ref: Tensor, logp: Tensor) -> Tensor:
+    """KL(Bern(p_ref) ‖ Bern(p)) of the sampled token, the Binary-KL divergence of DPPO
+    (2602.04879 eq. 14): p_ref·log(p_ref/p) + (1 − p_ref)·log((1 − p_ref)/(1 − p)); the 1e-8 in
+    the complement terms is verl's and SkyRL's (finite at p = 1)."""
+    p_ref, p = logp_ref.exp(), logp.exp()
+    return p_ref * (logp_ref - logp) + (1 - p_ref) * torch.log((1 - p_ref + 1e-8) / (1 - p + 1e-8))
+
+
 @dataclass(frozen=True)
 class TVMask:
-    """DPPO Binary-TV (2602.04879; verl dppo_tv): keep A > 0: p − p_ref ≤ δ_h, else ≥ −δ_l."""
+    """DPPO binary masks (2602.04879; verl dppo_tv / dppo_kl, SkyRL dppo): a move of p = π_θ(y_t)
+    away from p_ref is refused only in the advantage's direction. divergence tv: keep A > 0 iff
+    p − p_ref ≤ δ_h, A ≤ 0 iff p − p_ref ≥ −δ_l; kl: keep A > 0 iff KL ≤ δ_h or p ≤ p_ref, A ≤ 0
+    iff KL ≤ δ_l or p ≥ p_ref (KL = binary_kl(p_ref, p))."""
 
-    ratio: str = "folded"  # folded: p_ref = μ (prime-rl); trust: p_ref = π_old (verl)
+    ratio: str = "folded"  # folded: p_ref = μ (prime-rl, SkyRL); trust: p_ref = π_old (verl)
     delta_low: float = 0.2
     delta_high: float = 0.2
-    two_sided: bool = False  # |p − p_ref| band regardless of sign (prime-rl `ipo`)
+    two_sided: bool = False  # both bounds regardless of sign (prime-rl `ipo`)
+    divergence: str = "tv"
+
+    def __post_init__(self) -> None:
+        choice("tv divergence", self.divergence, ("tv", "kl"))
 
     def __call__(self, logp: Tensor, batch: TokenBatch) -> tuple[Tensor, Tensor]:
         ref = batch.logp_mu if self.ratio == "folded" else batch.logp_old
         dp = logp.detach().exp() - ref.exp()
-        up_ok, down_ok = dp <= self.delta_high, dp >= -self.delta_low
+        if self.divergence == "tv":
+            up_ok, down_ok = dp <= self.delta_high, dp >= -self.delta_low
+        else:  # within the KL budget, or moved against the advantage (dp's sign is p vs p_ref)
+            kl = binary_kl(ref, logp.detach())
+            up_ok, down_ok = (kl <= self.delta_high) | (dp <= 0), (kl <= self.delta_low) | (dp >= 0)
         if self.two_sided:
             keep = up_ok & down_ok
         else:

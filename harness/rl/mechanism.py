@@ -78,7 +78,8 @@ def check(
 
 def band_and_eps(objective: DictConfig) -> tuple[tuple[float, float], tuple[float, float]]:
     """The objective's band and ε: its node's values, else its builder's defaults (the group
-    files hold only the name), else [0.5, 2] and 0.2/0.28."""
+    files hold only the name), else [0.5, 2] and 0.2/0.28 (also where a value is None: geo_mask's
+    lo/hi, which then take its metric's bounds)."""
     import inspect
 
     from harness.objectives import OBJECTIVES
@@ -86,7 +87,7 @@ def band_and_eps(objective: DictConfig) -> tuple[tuple[float, float], tuple[floa
     params = inspect.signature(OBJECTIVES[objective.name]).parameters
     kw = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
     kw.update({k: v for k, v in objective.items() if k != "name"})
-    lo, hi = float(kw.get("lo", BAND[0])), float(kw.get("hi", BAND[1]))
+    lo, hi = (float(d if kw.get(k) is None else kw[k]) for k, d in zip(("lo", "hi"), BAND))
     band = (max(lo, 1e-300), hi)  # lo = 0: no lower bound
     eps_low, eps_high = kw.get("eps_low"), kw.get("eps_high")
     eps = (

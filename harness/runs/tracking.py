@@ -28,6 +28,8 @@ ALIASES = {
     "rollout_corr/rollout_is_max": "is/weight_max",
     "rollout_corr/rollout_is_min": "is/weight_min",
     "rollout_corr/rollout_is_eff_sample_size": "is/ess",  # 1 / mean[(w / mean w)²]
+    # the share of response tokens rollout_rs rejects (compute_rollout_rejection_mask)
+    "rollout_corr/rollout_rs_masked_fraction": "mask/frac",
     # TRL GRPOTrainer
     "sampling/sampling_logp_difference/mean": "dial/mean_abs_delta",  # mean |log π_old − log μ|
     "sampling/importance_sampling_ratio/mean": "is/weight_mean",
