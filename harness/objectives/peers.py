@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from harness.base.batch import TokenBatch
+from harness.base.batch import TokenBatch, masked_mean
 from harness.base.registry import register
 from harness.objectives.core import (
     OBJECTIVES,
@@ -478,8 +478,7 @@ def dppo_kl(
 def centred_cov(adv: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
     """Per-token covariance term (A − Ā)·(log π − mean log π), both means over the response tokens
     (Cui et al. 2505.22617, the entropy mechanism; verl clip_cov / kl_cov)."""
-    n = mask.sum().clamp_min(1.0)
-    return (adv - (adv * mask).sum() / n) * (logp - (logp * mask).sum() / n)
+    return (adv - masked_mean(adv, mask)) * (logp - masked_mean(logp, mask))
 
 
 class ClipCov(PolicyObjective):
