@@ -212,9 +212,16 @@ def endpoint_marks(root: Path, exp: str) -> dict[str, str]:
     for ep in prereg["endpoints"]:
         if not ep.get("where"):
             problems = endpoint_problems(df, ep)
-            res = run_endpoint(endpoint_values(df, ep), ep, prereg["treatment"], prereg["control"])
+            tr, ct = arms_of(prereg, ep)
+            res = run_endpoint(endpoint_values(df, ep), ep, tr, ct)
             out[ep["metric"]] = problems[0] if problems else mark(res, ep)
     return out
+
+
+def arms_of(prereg: dict, ep: dict) -> tuple[str, str]:
+    """(treatment, control) of an endpoint: its own when it names them (a third arm against
+    the control, e.g. the seed's fix), else the registration's."""
+    return ep.get("treatment", prereg["treatment"]), ep.get("control", prereg["control"])
 
 
 IN_KIND = ("event", "final_any")  # reductions that count runs in which the phenomenon happened
@@ -293,9 +300,9 @@ def claims(root: Path) -> pd.DataFrame:
         df = load_summary(root, exp)
         mech_path = root / exp / "mechanism.csv"
         mech = pd.read_csv(mech_path) if mech_path.exists() else None
-        tr, ct = prereg["treatment"], prereg["control"]
         problems += summary_problems(df, exp)
         for ep in prereg["endpoints"]:
+            tr, ct = arms_of(prereg, ep)
             problems += [f"{exp}: {p}" for p in endpoint_problems(df, ep)]
             values = endpoint_values(df, ep)
             res = run_endpoint(values, ep, tr, ct)

@@ -11,6 +11,8 @@ in-kind endpoints) and the figures (each run's event marked on its trajectory).
                  errors of a 10-step mean at reward 0.3)
   collapse       the 10-step running mean of training reward falls below 0.5× its best
                  after the warm-up and stays there to the end (the SNR post §2's collapse)
+  stall          the run never trained: the 10-step running mean of training reward never rose
+                 ≥ 0.05 above its steps 1–10 mean (no healthy phase at all)
   entropy_guard  the training loop's own entropy guard: some step's entropy > 2× the steps
                  1–10 mean (reported apart from `collapse`: the reward guard alone was
                  confounded by a task switch)
@@ -63,6 +65,15 @@ def healthy_surge(run: pd.DataFrame, rise: float = HEALTHY_RISE, window: int = W
     if event and healthy_rise(run, until=at, window=window) >= rise:
         return True, at
     return False, float("nan")
+
+
+def stall(run: pd.DataFrame, rise: float = HEALTHY_RISE, window: int = WINDOW):
+    """(event, last step): the run never trained: the 10-step running mean of training reward
+    never rose `rise` above its steps 1–10 mean (the complement of `healthy_surge`'s healthy
+    phase; the SNR post §2 and seed 002: deleting the fork tokens' gradient, where β lands,
+    removes the learning signal)."""
+    r = healthy_rise(run, window=window)
+    return bool(r < rise), float(run.step.max()) if r < rise else float("nan")
 
 
 def entropy_guard(run: pd.DataFrame, factor: float = 2.0, window: int = WINDOW):
@@ -142,6 +153,7 @@ def _first(hit: pd.Series) -> tuple[bool, float]:
 EVENTS = {
     "surge": surge,
     "healthy_surge": healthy_surge,
+    "stall": stall,
     "collapse": collapse,
     "entropy_guard": entropy_guard,
     "loops": loops,
@@ -160,6 +172,7 @@ def run_events(df: pd.DataFrame, warmup: int = 20) -> pd.DataFrame:
             needs = (
                 [needs] if needs else ["reward_mean"] if name == "collapse" else ["entropy_mean"]
             )
+            needs = ["reward_mean"] if name == "stall" else needs
             needs += ["reward_mean"] if name == "healthy_surge" else []
             if any(n not in g or g[n].isna().all() for n in needs):
                 row[name], row[f"{name}_at"] = np.nan, np.nan

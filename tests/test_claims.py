@@ -371,3 +371,26 @@ def test_claims_refuses_runs_that_cannot_give_the_registered_tests(tmp_path):
     with pytest.warns(UserWarning, match="checksum"):
         table = claims(tmp_path)
     assert (table[table.experiment == "nsr_vs_decay"].pairs == 2).all()
+
+
+def test_an_endpoint_can_name_its_own_arms_and_a_stall_is_an_event():
+    """A third arm against the control (the seed's fix): `arms_of` reads the endpoint's own
+    treatment/control, else the registration's; an arm label must be text. `stall` is a
+    registered event."""
+    from analysis.claims import arms_of
+
+    ep = {
+        "name": "fix matches control",
+        "metric": "reward_mean",
+        "reduce": "event",
+        "event": "stall",
+        "test": "fisher",
+        "predicted": "less",
+        "treatment": "fix",
+    }
+    check_prereg({**PREREG, "endpoints": [ep]})
+    assert arms_of(PREREG, ep) == ("fix", PREREG["control"])
+    plain = {k: v for k, v in ep.items() if k != "treatment"}
+    assert arms_of(PREREG, plain) == (PREREG["treatment"], PREREG["control"])
+    with pytest.raises(ValueError, match=r"endpoints\[0\].control"):
+        check_prereg({**PREREG, "endpoints": [{**ep, "control": 3}]})

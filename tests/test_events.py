@@ -13,6 +13,7 @@ from analysis.events import (
     loops,
     margins,
     run_events,
+    stall,
     surge,
 )
 
@@ -48,6 +49,17 @@ def test_a_healthy_surge_needs_the_reward_to_rise_before_the_surge_by_hand():
     assert healthy_surge(_run(reward_mean=rising, entropy_mean=ent)) == (True, 15.0)
     assert healthy_surge(_run(reward_mean=late, entropy_mean=ent))[0] is False
     assert healthy_surge(_run(reward_mean=rising, entropy_mean=[1.0] * 40))[0] is False
+
+
+def test_a_stall_is_a_run_whose_reward_never_rose_by_hand():
+    """Reward 0.30 for steps 1–10 then 0.34 for 30 steps: the running mean tops out at 0.34, a
+    rise of 0.04 < 0.05: a stall, dated at the last step (40). With 0.36 from step 11 the top
+    is 0.36, a rise of 0.06: no stall. A rise that comes and goes still counts as training (0.50
+    for steps 11–20, then 0.20: the running mean reached 0.50). Fewer than 10 steps: no verdict."""
+    assert stall(_run(reward_mean=[0.30] * 10 + [0.34] * 30)) == (True, 40.0)
+    assert stall(_run(reward_mean=[0.30] * 10 + [0.36] * 30))[0] is False
+    assert stall(_run(reward_mean=[0.30] * 10 + [0.50] * 10 + [0.20] * 20))[0] is False
+    assert stall(_run(reward_mean=[0.30] * 5))[0] is False
 
 
 def test_collapse_needs_the_fall_to_last_until_the_end():

@@ -19,6 +19,8 @@
           margin: 0.02            # tost: the equivalence margin
           where: {sigma: 1.0}     # optional: only runs whose summary columns equal these
           predicted: greater | less   # treatment vs control, as the seed predicts
+          treatment: <arm>        # optional: this endpoint's own arms (a third arm, e.g. the
+          control: <arm>          # seed's fix, against the control), else the registration's
       aa_offset: 100        # optional: control-arm seeds s + aa_offset, paired with s, are the
                             # A/A cell (the same arm twice: the noise floor of every endpoint)
 
@@ -32,7 +34,7 @@ from typing import Any
 
 REDUCES = ("final_any", "window_mean", "last_evals", "event", "slope")
 # the in-kind events of analysis.events: did the phenomenon itself happen in a run
-EVENTS = ("surge", "collapse", "entropy_guard", "loops")
+EVENTS = ("surge", "healthy_surge", "stall", "collapse", "entropy_guard", "loops")
 TESTS = ("paired_t", "tost", "fisher")
 PREDICTED = ("greater", "less")
 
@@ -59,6 +61,9 @@ def check_prereg(prereg: Any) -> None:
             need(ep.get(key) in valid, at + key, ep.get(key), ", ".join(valid))
         for key in ("name", "metric"):
             need(isinstance(ep.get(key), str), at + key, ep.get(key), "text")
+        for key in ("treatment", "control"):
+            if key in ep:
+                need(isinstance(ep[key], str) and ep[key], at + key, ep[key], "an arm label")
         if ep["reduce"] == "window_mean":
             w = ep.get("window")
             need(
