@@ -51,6 +51,7 @@ EXPERIMENTS = [
     "surge_confirm",
     "nsr_confirm",
     "collapse_confirm",
+    "smollm2_clip_confirm",
 ]
 ALPHA = 0.05
 

@@ -99,6 +99,7 @@ def test_every_preset_exists():
         "nsr_dose",
         "cis_dose",
         "smollm2_surge_pilot",
+        "smollm2_clip_confirm",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
