@@ -135,7 +135,7 @@ def test_measure_preset_composes_and_passes_start_up_checks(name, tmp_path):
     assert cfg.name == name and cfg.engine.device == "cuda" and not cfg.engine.tf32
     assert cfg.engine.trainer_dtype == cfg.engine.sampler_dtype == "bf16"
     assert cfg.model.spec not in MODEL_SPECS and "/" in cfg.model.spec
-    assert 512 <= cfg.max_new_tokens <= 1024
+    assert 512 <= cfg.rollout.max_new_tokens <= 1024
     for point in points(name, "measure", tmp_path):
         cfg, _, _ = load("measure", [preset(name), "engine.device=cpu", *point], tmp_path)
         check_nodes(cfg)
