@@ -4,7 +4,6 @@ controls), writes a noise config that composes, and the check compares per bin."
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -15,8 +14,9 @@ from test_measure import _cfg as measure_cfg
 
 from harness import measure
 from harness.stats import fit_noise
+from harness.tasks.warmstart import SHIPPED
 
-TASK_MODEL = str(Path(fit_noise.__file__).parent / "task_models" / "1d46e5429706")  # countdown
+TASK_MODEL = str(SHIPPED / "1d46e5429706")  # the shipped countdown task model
 
 
 def test_fit_is_the_weighted_least_squares_of_the_gate():
@@ -47,10 +47,10 @@ def test_fit_recovers_injected_logit_noise_and_the_check_reads_one(tmp_path, mon
     common = [
         *TINY,
         f"model.spec={TASK_MODEL}",
-        "n=24",
-        "alpha.mode=none",
-        "amp_rows=0",
-        "max_new_tokens=16",
+        "rollout.group_size=24",
+        "live.mode=none",
+        "measurement.amp_rows=0",
+        "rollout.max_new_tokens=16",
     ]
     real = tmp_path / "real"
     measure.run(measure_cfg(real, *common, "noise=logit", "noise.sigma=0.05"))
