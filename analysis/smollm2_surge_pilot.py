@@ -5,9 +5,9 @@ python -m analysis.smollm2_surge_pilot [--results DIR]   # reads results/smollm2
 
 Besides the figure it writes shape.csv: for every run (complete or not) the healthy phase (the
 largest rise of the 10-step mean training reward over its steps 1–10 mean, and the step where
-it peaked), the surge and healthy-surge events (analysis.events) and the held-out accuracy at
-the first and last evaluation, so the seed's shape — trains, then fails — is reported per run
-whatever the verdict.
+it peaked), the surge, healthy-surge and stall events (analysis.events) and the held-out
+accuracy at the first and last evaluation, so the seed's shape — trains, then fails — is
+reported per run whatever the verdict.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis.common import set_theme
-from analysis.events import WINDOW, healthy_rise, healthy_surge, running_mean, surge
+from analysis.events import WINDOW, healthy_rise, healthy_surge, running_mean, stall, surge
 from analysis.panels import panel_row
 from analysis.runs import load_summary, results_root, smooth
 from harness.base.io import write_text_atomic
@@ -50,6 +50,7 @@ def shape(df: pd.DataFrame) -> pd.DataFrame:
                 "surge_at": s_at,
                 "healthy_surge": h_event,
                 "healthy_surge_at": h_at,
+                "stall": stall(g)[0],
                 "eval_first": evals.eval_acc.iloc[0] if len(evals) else float("nan"),
                 "eval_last": evals.eval_acc.iloc[-1] if len(evals) else float("nan"),
                 "eval_last_step": int(evals.step.iloc[-1]) if len(evals) else -1,
