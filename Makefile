@@ -63,13 +63,13 @@ bench: $(STAMP) $(VLLM_STAMP)  ## side-by-side benchmarks; JSON/text in results/
 	$(PY) -m benchmarks.bench_noise
 	$(PY) -m benchmarks.bench_objectives
 	$(PY) -m benchmarks.bench_measure | tee results/bench/measure.txt
-	$(PY) -m benchmarks.bench_step --model tiny --pairs 9 --variants loop,noprune,recompute
-	$(PY) -m benchmarks.bench_step --model task-model --pairs 9 --variants loop,noprune,recompute
+	$(PY) -m benchmarks.bench_step --model tiny --pairs 9 --variants loop,recompute
+	$(PY) -m benchmarks.bench_step --model task-model --pairs 9 --variants loop,recompute
 	$(PY) -m benchmarks.bench_step --model smollm2-135m --pairs 5 --variants loop
-	$(PY) -m benchmarks.bench_step --model tiny --work eos --pairs 9 --variants loop,noprune
-	$(PY) -m benchmarks.bench_step --model task-model --work eos --task countdown --pairs 9 --variants loop,noprune
-	$(PY) -m benchmarks.bench_step --model task-model --work eos --task arithmetic --pairs 9 --variants loop,noprune
-	$(PY) -m benchmarks.bench_step --model smollm2-135m --work eos --prompts 8 --group 4 --pairs 5 --variants loop,noprune
+	$(PY) -m benchmarks.bench_step --model tiny --work eos --pairs 9 --variants loop
+	$(PY) -m benchmarks.bench_step --model task-model --work eos --task countdown --pairs 9 --variants loop
+	$(PY) -m benchmarks.bench_step --model task-model --work eos --task arithmetic --pairs 9 --variants loop
+	$(PY) -m benchmarks.bench_step --model smollm2-135m --work eos --prompts 8 --group 4 --pairs 5 --variants loop
 	$(PY) -m benchmarks.bench_sweep --steps 60 --rounds 3
 	$(PY) -m benchmarks.bench_run --before 328f94f --steps 300
 	$(PY) -m benchmarks.bench_flops --pairs 5
@@ -90,6 +90,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.collapse_confirm
 	$(PY) -m analysis.fp8_entropy_surge
 	$(PY) -m analysis.surge_confirm
+	$(PY) -m analysis.smollm2_surge_pilot
 	$(PY) -m analysis.fp8_full_pipeline
 	$(PY) -m analysis.cis_vs_tis
 	$(PY) -m analysis.opsd_repetition
