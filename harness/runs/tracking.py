@@ -42,6 +42,8 @@ ALIASES = {
     "reward": "reward/mean",
     # slime
     "train_rollout_logprob_abs_diff": "dial/mean_abs_delta",
+    # NeMo-RL
+    "token_mult_prob_error": "dial/token_mult_prob_error",  # mean exp|log π_old − log μ|
     # prime-rl
     "mismatch_kl": "dial/kl_k3",
     "is_masked": "mask/frac",

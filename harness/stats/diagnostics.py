@@ -133,6 +133,8 @@ def dials(x: Tensor, m: Tensor, p_t: Tensor | None = None) -> dict[str, float]:
         "mean_abs_delta": float(a.mean()) if a.numel() else 0.0,
         "mean_abs_delta_nonmatching": float(a[nonmatch].mean()) if nonmatch.any() else 0.0,
         "p99_abs_delta": float(a.quantile(0.99)) if a.numel() else 0.0,
+        # NeMo-RL's multiplicative probability error, mean e^|Δ| (docs/adding-new-models.md)
+        "token_mult_prob_error": float(a.exp().mean()) if a.numel() else 1.0,
     }
     if p_t is not None:
         out["fork_oob_share"] = fork_oob_share(x, p_t, m)

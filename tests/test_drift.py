@@ -1,0 +1,187 @@
+"""The β-drift decomposition (harness.stats.drift) and its driver (harness.rl.drift): worked
+numbers, the first-order theory against i.i.d. logit errors, and, on a tiny trained run with
+Gaussian logit noise of known σ, the engine part recovering σ²/T² (the ground truth)."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from harness import train
+from harness.rl import drift as driver
+from harness.stats import drift
+from harness.stats.diagnostics import dials
+
+CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
+
+
+def test_gate_by_hand():
+    # p = [0.5, 0.3, 0.2]: ‖p‖² = 0.38; y = token 0: 1 − 1 + 0.38; y = token 2: 1 − 0.4 + 0.38
+    g = drift.gate(torch.tensor([0.5, 0.2]), torch.tensor([0.38, 0.38]))
+    assert g.tolist() == pytest.approx([0.38, 0.98])
+
+
+def test_logit_error_by_hand():
+    z = torch.zeros(1, 3)  # p uniform
+    eps = torch.tensor([[0.3, 0.0, -0.3]])
+    out = drift.logit_error(z + eps, z, torch.tensor([0]))
+    assert float(out["var_p"]) == pytest.approx((0.09 + 0.09) / 3)
+    assert float(out["delta_lin"]) == pytest.approx(0.3)
+    exact = 0.3 - math.log((math.exp(0.3) + 1 + math.exp(-0.3)) / 3)
+    assert float(out["delta_tf"]) == pytest.approx(exact)
+
+
+def test_first_order_theory_on_iid_logit_errors():
+    """ε i.i.d. N(0, σ²), y ~ p: E[Δ²] = σ² E[g] = E[Var_p ε] up to O(σ³)."""
+    g = torch.Generator().manual_seed(0)
+    n, v, sigma = 20000, 40, 0.05
+    z = 2 * torch.randn(n, v, generator=g)
+    y = torch.multinomial(z.softmax(-1), 1, generator=g)[:, 0]
+    out = drift.logit_error(z + sigma * torch.randn(n, v, generator=g), z, y)
+    p = z.softmax(-1)
+    gate = drift.gate(p.gather(1, y[:, None])[:, 0], (p * p).sum(-1))
+    m2 = float((out["delta_tf"] ** 2).mean())
+    assert m2 == pytest.approx(sigma**2 * float(gate.mean()), rel=0.04)
+    assert m2 == pytest.approx(float(out["var_p"].mean()), rel=0.04)
+    assert float((out["delta_tf"] - out["delta_lin"]).abs().max()) < 5 * sigma**2
+
+
+def _sums(n, d2, gate, var_p, gate_exp):
+    z = np.zeros(len(n))
+    cols = dict(n=n, d2=d2, gate=gate, var_p=var_p, gate_exp=gate_exp)
+    return {k: np.asarray(v, float) for k, v in cols.items()} | dict(
+        fork_n=z + 2, fork_d=z, fork_d2=np.asarray(d2, float)
+    )
+
+
+def test_growth_parts_by_hand():
+    base = _sums([10, 20], [1.0, 3.0], [5.0, 10.0], [2.0, 4.0], [5.0, 10.0])
+    # every token's engine error ×4 (Δ² and Var_p ε): the engine part alone, log 4
+    cur = _sums([10, 20], [4.0, 12.0], [5.0, 10.0], [8.0, 16.0], [5.0, 10.0])
+    out = drift.growth(base, cur)
+    assert out["engine"] == pytest.approx(math.log(4))
+    assert out["measured"] == pytest.approx(math.log(4))
+    assert out["length"] == out["gate"] == out["residual"] == pytest.approx(0.0)
+    # responses twice as long with the same per-token numbers: the length part alone, log 2
+    longer = {k: 2 * v for k, v in base.items()}
+    out = drift.growth(base, longer)
+    assert out["length"] == pytest.approx(math.log(2)) == pytest.approx(out["measured"])
+    # factors by hand: L̄ = 15, ḡ = 0.5, σ̄² = 6/15, ρ = (4/30) / (0.5 · 0.4)
+    f = drift.factors(base)
+    assert (f["length"], f["gate"], f["engine"]) == pytest.approx((15, 0.5, 0.4))
+    assert f["residual"] == pytest.approx((4 / 30) / 0.2)
+
+
+def test_parts_sum_to_the_measured_growth():
+    rng = np.random.default_rng(0)
+
+    def rand():
+        return _sums(*(rng.uniform(1, 5, 30) for _ in range(5)))
+
+    out = drift.growth(rand(), rand())
+    assert sum(out[k] for k in drift.PARTS) == pytest.approx(out["measured"], abs=1e-12)
+
+
+def test_fork_var_and_intervals():
+    d = np.array([0.1, -0.3, 0.2, 0.4])
+    sums = _sums([1, 1, 1, 1], d**2, [1] * 4, [1] * 4, [1] * 4)
+    sums |= dict(fork_n=np.ones(4), fork_d=d, fork_d2=d**2)
+    assert drift.fork_var(sums) == pytest.approx(float(np.var(d, ddof=1)))
+    rng = np.random.default_rng(1)
+    big = _sums(*(rng.uniform(1, 5, 40) for _ in range(5)))
+    ci = drift.growth_intervals(big, big, n_boot=300)
+    for k in (*drift.PARTS, "measured"):
+        lo, hi = ci[k]
+        assert lo < 0 < hi  # the same checkpoint against itself: no growth inside the interval
+
+
+def test_token_mult_prob_error_by_hand():
+    # NeMo-RL's mean exp|log π − log μ| over response tokens
+    x = torch.tensor([[0.1, -0.2, 5.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0]])
+    got = dials(x, m)["token_mult_prob_error"]
+    assert got == pytest.approx((math.exp(0.1) + math.exp(0.2)) / 2)
+
+
+TINY = [
+    "model=tiny-llama",
+    "++task.digits=1",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=6",
+    "rollout.temperature=0.7",
+    "eval_n=4",
+    "eval_every=2",
+    "progress=false",
+    "engine.device=cpu",
+    "noise=logit",
+    "noise.sigma=0.3",
+    "steps=2",
+    "checkpoint_every=1",
+    "optim.lr=1e-2",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """Two steps whose weights move: rewards alternate 0, 1 within each group (the untrained tiny
+    model never answers, and all-zero rewards give no gradient)."""
+    from harness.tasks import Task
+
+    def reward(self, problems, ro, tokenizer):
+        return (torch.arange(ro.response_ids.shape[0]) % 2).float()
+
+    out = tmp_path_factory.mktemp("run")
+    with pytest.MonkeyPatch.context() as mp, initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        mp.setattr(Task, "rollout_rewards", reward)
+        train.run(compose("train", overrides=[f"out={out}", *TINY]))
+    return out
+
+
+def test_drift_recovers_the_injected_sigma(tiny_run):
+    """Logit noise σ on raw logits is σ/T at the sampling temperature: the engine part must read
+    σ²/T² at every checkpoint, the teacher-forced Δ must equal the decode's (the noise is keyed
+    on prefixes), and the residual must sit near 1 (first order, i.i.d. errors)."""
+    rows = driver.main([str(tiny_run), "--prompts", "8"])
+    assert rows["step"].tolist() == [0, 1, 2]
+    assert len(set(rows["weights_sha"])) == 3  # each checkpoint's own weights were measured
+    assert rows["engine"].to_numpy() == pytest.approx((0.3 / 0.7) ** 2, rel=0.05)
+    assert rows["tf_abs_err"].max() < 1e-5
+    assert rows["residual"].to_numpy() == pytest.approx(1.0, abs=0.35)
+    seqs = pd.read_csv(tiny_run / "drift" / "seqs.csv")
+    assert set(seqs["step"]) == {0, 1, 2}
+    assert len(seqs) == 3 * 8 * 4
+
+
+def test_drift_resumes_and_checks_its_input(tiny_run, tmp_path):
+    out = tiny_run / "drift"
+    before = (out / "drift.csv").read_text() if out.exists() else None
+    if before is None:
+        driver.main([str(tiny_run), "--prompts", "8"])
+        before = (out / "drift.csv").read_text()
+    driver.main([str(tiny_run), "--prompts", "8"])  # every step already there: nothing reruns
+    assert (out / "drift.csv").read_text() == before
+    with pytest.raises(ValueError, match="--checkpoints"):
+        driver.main([str(tiny_run), "--checkpoints", str(tmp_path)])
+    with pytest.raises(ValueError, match="engine.sampler=ct2"):
+        driver.main([str(tiny_run), "--set", "engine.sampler=ct2"])
+    with pytest.raises(FileNotFoundError, match="config.yaml"):
+        driver.main([str(tmp_path)])
+
+
+def test_the_figure_and_parts_table(tiny_run):
+    from analysis import beta_drift
+
+    if not (tiny_run / "drift" / "seqs.csv").exists():
+        driver.main([str(tiny_run), "--prompts", "8"])
+    png = beta_drift.main(tiny_run)
+    assert png.exists()
+    parts = pd.read_csv(tiny_run / "parts.csv")
+    assert parts["step"].tolist() == [1, 2]
+    total = parts.named_sum + parts.residual
+    assert total.to_numpy() == pytest.approx(parts.measured.to_numpy(), abs=1e-5)
+    assert (parts.measured_lo <= parts.measured).all()
+    assert (parts.measured <= parts.measured_hi).all()
