@@ -2,27 +2,27 @@
 policy's softmax gate, and the engine's logit error.
 
 At one position let z (trainer) and z_μ (sampler) be the logits at the sampling temperature,
-p = softmax(z), and ε = z_μ − z the engine's logit error (a V-vector the harness can read, since it
-runs both forwards). To first order in ε, the sampled token y's log-ratio is
+p = softmax(z), μ = softmax(z_μ), and ε = z_μ − z the engine's logit error (a V-vector the
+harness reads, since it runs both forwards). Token v's log-ratio is d_v = log μ_v − log p_v, and the
+sampled token's Δ = d_y has E_{y~μ}[Δ²] = Σ_v μ_v d_v², exactly. To first order in ε,
+d_y ≈ ε_y − Σ_v p_v ε_v, and for ε with i.i.d. components of variance σ² that expectation is
+σ² (1 − 2⟨μ, p⟩ + ‖p‖²), the mean of the gate g = 1 − 2 p_y + ‖p‖² over y ~ μ (0 where π is sure
+of y; ≈ 1 + ‖p‖² at a tail token of a peaked π). Over a checkpoint's response tokens:
 
-    Δ = log μ(y) − log π(y) ≈ ε_y − Σ_v p_v ε_v,   so   E_{y~p}[Δ²] ≈ Var_p(ε),
+    mean over responses of Σ_t Δ_t² = L̄ · ḡ · σ̄² · ρ
 
-and for ε with i.i.d. components of variance σ², E[Δ² | y] = σ² g with the gate
-g = 1 − 2 p_y + ‖p‖² (0 where π is sure of y; ≈ 1 + ‖p‖² at a tail token of a peaked π;
-E_{y~p} g = 1 − ‖p‖²). Over a checkpoint's response tokens:
-
-    mean over sequences of Σ_t Δ_t² = L̄ · ḡ · σ̄² · ρ
-
-    L̄   mean response length                                       (ii) length
-    ḡ   token mean of g_t                                           (i) the token population's gate
-    σ̄²  Σ_t Var_p(ε_t) / Σ_t (1 − ‖p_t‖²): the engine's logit error per unit of gate
-                                                                    (iii) the engine, σ itself
-    ρ   the rest: mean Δ² / (ḡ σ̄²); ≈ 1 where the first-order picture holds
+    L̄   mean response length                                           (ii) length
+    ḡ   mean of g_t over the sampled tokens                              (i) the population's gate
+    σ̄²  Σ_t E_μ[Δ_t²] / Σ_t E_μ[g_t]: the engine's error per unit of gate  (iii) the engine, σ
+    ρ   the rest, mean Δ² / (ḡ σ̄²): the sampled tokens against their expectation, and the
+        sampler's decode against its teacher-forced forward; ≈ 1 within sampling error
 
 So the growth of the sequence-level second moment from a base checkpoint (a log ratio) is exactly
 length + gate + engine + residual; a residual within its interval says the three named parts
-account for the growth. k3 ≈ Δ²/2 and the other dials follow the second moment where Δ is small.
-The SNR post (seed 001, §3) reads Var β in the fork bin; `fork_var` is that number.
+account for the growth. σ̄² is exact for the two forwards (no first-order step); under i.i.d.
+logit noise of variance σ² it reads σ² to first order (tests/test_drift.py). k3 ≈ Δ²/2 and the
+other dials follow the second moment where Δ is small. The SNR post (seed 001, §3) reads Var β in
+the fork bin; `fork_var` is that number.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from harness.stats.diagnostics import FORK_P
 
 PARTS = ("length", "gate", "engine", "residual")
 # per-sequence sums the decomposition and its bootstrap need (one row per response)
-SEQ_COLUMNS = ("n", "d2", "gate", "var_p", "gate_exp", "fork_n", "fork_d", "fork_d2")
+SEQ_COLUMNS = ("n", "d2", "gate", "e2", "gate_mu", "fork_n", "fork_d", "fork_d2")
 
 
 def gate(p_t: Tensor, p_sq_sum: Tensor) -> Tensor:
@@ -46,26 +46,28 @@ def gate(p_t: Tensor, p_sq_sum: Tensor) -> Tensor:
 
 @torch.no_grad()
 def logit_error(z_mu: Tensor, z: Tensor, targets: Tensor) -> dict[str, Tensor]:
-    """Per position ([N, V] logits at the sampling temperature, [N] sampled tokens): `var_p`, the
-    p-weighted variance of ε = z_μ − z under p = softmax(z); `delta_tf`, the exact log μ(y) −
-    log π(y) of these two forwards; `delta_lin`, its first-order ε_y − E_p ε."""
-    logp = F.log_softmax(z.float(), -1)
-    p = logp.exp()
-    eps = z_mu.float() - z.float()
-    mean = (p * eps).sum(-1, keepdim=True)
-    y = targets[:, None]
+    """Per position ([N, V] logits at the sampling temperature, [N] sampled tokens): `e2`, the
+    expected Δ² over y ~ μ, Σ_v μ_v (log μ_v − log p_v)²; `gate_mu`, the expected gate over
+    y ~ μ, 1 − 2⟨μ, p⟩ + ‖p‖²; `delta_tf`, log μ(y) − log π(y) of these two forwards; `z_std`,
+    the spread of the trainer's logits over the vocabulary (a relative error such as FP8's
+    scales with it)."""
+    logmu, logp = F.log_softmax(z_mu.float(), -1), F.log_softmax(z.float(), -1)
+    mu, p = logmu.exp(), logp.exp()
+    d = logmu - logp
     return {
-        "var_p": (p * (eps - mean) ** 2).sum(-1),
-        "delta_tf": (F.log_softmax(z_mu.float(), -1).gather(1, y) - logp.gather(1, y))[:, 0],
-        "delta_lin": (eps.gather(1, y) - mean)[:, 0],
+        "e2": (mu * d * d).sum(-1),
+        "gate_mu": 1 - 2 * (mu * p).sum(-1) + (p * p).sum(-1),
+        "delta_tf": d.gather(1, targets[:, None])[:, 0],
+        "z_std": z.float().std(-1),
     }
 
 
 def seq_sums(
-    delta: Tensor, p_t: Tensor, p_sq_sum: Tensor, var_p: Tensor, mask: Tensor
+    delta: Tensor, p_t: Tensor, p_sq_sum: Tensor, err: dict[str, Tensor], mask: Tensor
 ) -> dict[str, np.ndarray]:
-    """Per response ([B, T] tensors, `delta` = log π − log μ as the dials read it): the sums of
-    SEQ_COLUMNS over its masked tokens (forks: p_t < FORK_P, the diagnostics' fork)."""
+    """Per response ([B, T] tensors, `delta` = log π − log μ as the dials read it, `err` the
+    [B, T] `logit_error` of its positions): the sums of SEQ_COLUMNS over its masked tokens
+    (forks: p_t < FORK_P, the diagnostics' fork)."""
     m = mask.double()
     fork = m * (p_t < FORK_P).double()
     d = delta.double()
@@ -73,8 +75,8 @@ def seq_sums(
         "n": m,
         "d2": d**2 * m,
         "gate": gate(p_t, p_sq_sum).double() * m,
-        "var_p": var_p.double() * m,
-        "gate_exp": (1 - p_sq_sum.double()) * m,  # E_{y~p} g
+        "e2": err["e2"].double() * m,
+        "gate_mu": err["gate_mu"].double() * m,
         "fork_n": fork,
         "fork_d": d * fork,
         "fork_d2": d**2 * fork,
@@ -88,7 +90,7 @@ def factors(sums: dict[str, np.ndarray]) -> dict[str, float]:
     n = sums["n"].sum()
     m2 = sums["d2"].sum() / n
     g = sums["gate"].sum() / n
-    s2 = sums["var_p"].sum() / sums["gate_exp"].sum()
+    s2 = sums["e2"].sum() / sums["gate_mu"].sum()
     return {
         "length": n / len(sums["n"]),
         "gate": g,
