@@ -155,11 +155,14 @@ def measure(
     model.requires_grad_(False)
     sampler, trainer = build_sampler(cfg, model, tok), build_policy(cfg, model, tok)
     problems = task.sample(prompts, "eval", cfg.eval_seed)  # the same prompts at every step
-    write_json_atomic(
-        out / "meta.json",
-        {"run_config": OmegaConf.to_container(cfg, resolve=True), "identity": ident,
-         "prompts": prompts, "seed": seed, "checkpoints": [str(f) for _, f in files]},
-    )  # fmt: skip
+    # what every row shares; each row names its own weights (step, weights_sha)
+    meta = {
+        "run_config": OmegaConf.to_container(cfg, resolve=True),
+        "identity": ident,
+        "prompts": prompts,
+        "seed": seed,
+    }
+    write_json_atomic(out / "meta.json", meta)
     for step, path in todo:
         if step in done:
             continue
@@ -189,8 +192,11 @@ def measure(
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("run", type=Path, help="a run folder harness.train wrote (its config.yaml)")
-    ap.add_argument("--checkpoints", nargs="+", help="step_N.pt files or folders (default: the "
-                    "run's checkpoints/)")  # fmt: skip
+    ap.add_argument(
+        "--checkpoints",
+        nargs="+",
+        help="step_N.pt files or folders (default: the run's checkpoints/)",
+    )
     ap.add_argument("--out", type=Path, help="default: <run>/drift")
     ap.add_argument("--set", nargs="*", default=[], dest="sets", metavar="KEY=VALUE")
     ap.add_argument("--prompts", type=int, default=16, help="evaluation problems per pass")
