@@ -57,6 +57,9 @@ def parts_table(folder: Path, n_boot: int = 2000) -> pd.DataFrame:
         for k in (*PARTS, "measured"):
             row |= {k: point[k], f"{k}_lo": ci[k][0], f"{k}_hi": ci[k][1]}
         row["named_sum"] = point["length"] + point["gate"] + point["engine"]
+        # the three named parts account for the measured growth when the residual's interval
+        # holds 0
+        row["parts_account"] = bool(ci["residual"][0] <= 0 <= ci["residual"][1])
         row["fork_var_ratio"] = fork_var(cur) / fork_var(base)
         row["fork_var_ratio_lo"], row["fork_var_ratio_hi"] = ci["fork_var_ratio"]
         rows.append(row)

@@ -132,7 +132,7 @@ def calibration_pass(cfg, task, tok, sampler, trainer, problems, seed: int):
         # how much of the decode's Δ the teacher-forced forwards reproduce: the same Δ under
         # noise keyed on prefixes; FP8 rounding can flip between the decode and the full forward
         "tf_abs_err": float((d_decode - err["delta_tf"][sel]).abs().mean()),
-        "tf_corr": float(np.corrcoef(d_decode.numpy(), err["delta_tf"][sel].numpy())[0, 1]),
+        "tf_corr": float(np.corrcoef(d_decode.cpu(), err["delta_tf"][sel].cpu())[0, 1]),
         # the expected Δ² of the teacher-forced forwards (no sampling noise) beside the measured
         "e2_mean": float(sums["e2"].sum() / sums["n"].sum()),
         "d2_tf": float((err["delta_tf"][sel] ** 2).mean()),  # the same tokens, teacher-forced
