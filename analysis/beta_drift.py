@@ -12,6 +12,7 @@ ratio) and <root>/fig_beta_drift.{png,pdf}.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -77,7 +78,9 @@ def plot(root: Path, folders: list[Path], parts: pd.DataFrame) -> Path:
             ax.plot(d.step, d[col] / d[col].iloc[0], "o-", ms=3, color=f"C{i}", label=label)
         ax.axhline(1, color="k", lw=0.8)
         ax.set(yscale="log", xlabel="training step (checkpoint)", ylabel="dial / its step-0 value")
-        ax.set_title(f"{folder.name}: the dials at frozen weights", fontsize=10)
+        cfg = json.loads((folder / "meta.json").read_text())["run_config"]
+        mu = f"μ {cfg['engine']['sampler_dtype']}, noise {cfg['noise']['name']}"
+        ax.set_title(f"{folder.name} ({mu}): the dials at frozen weights", fontsize=10)
         p = parts[parts.series == folder.name].sort_values("step")
         bx = axes[1, j]
         x = np.arange(len(p))
@@ -96,7 +99,20 @@ def plot(root: Path, folders: list[Path], parts: pd.DataFrame) -> Path:
         bx.set_title("its parts (log ratios; they sum to the measured growth)", fontsize=10)
     axes[0, 0].legend(fontsize=7)
     axes[1, 0].legend(fontsize=7)
-    return savefig(fig, root / "fig_beta_drift")
+    fig.text(0.01, 0.005, footer(folders[0]), fontsize=8, va="bottom")
+    return savefig(fig, root / "fig_beta_drift", bottom=0.03)
+
+
+def footer(folder: Path) -> str:
+    """The setting every series shares: the model by weights checksum, the pass's size."""
+    meta = json.loads((folder / "meta.json").read_text())
+    cfg, ident = meta["run_config"], meta["identity"]
+    return (
+        f"{cfg['model']['spec']} (weights {ident.get('weights_sha', '?')} at step 0); each "
+        f"checkpoint: {meta['prompts']} evaluation problems × {cfg['rollout']['group_size']} "
+        f"samples, T = {cfg['rollout']['temperature']}, sampling seed {meta['seed']}; parts: "
+        "harness.stats.drift; intervals: bootstrap over responses"
+    )
 
 
 def main(root: str | Path = RESULTS / "beta_drift") -> Path | None:
