@@ -90,7 +90,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.collapse_confirm
 	$(PY) -m analysis.fp8_entropy_surge
 	$(PY) -m analysis.surge_confirm
-	$(PY) -m analysis.smollm2_surge_pilot
+	$(PY) -m analysis.smollm2_clip  # the SmolLM2 FP8 pilot and confirmatory sweep
 	$(PY) -m analysis.fp8_full_pipeline
 	$(PY) -m analysis.cis_vs_tis
 	$(PY) -m analysis.opsd_repetition

@@ -1,7 +1,9 @@
 """Figure and per-run shape: Calibrated Clipping's entropy surge (seed 002 §3) on SmolLM2-135M-
-Instruct with the FP8 block W8A8 sampler, the pilot of experiment=smollm2_surge_pilot (one seed).
+Instruct with the FP8 block W8A8 sampler: the pilot (experiment=smollm2_surge_pilot, one seed) and
+the confirmatory sweep (experiment=smollm2_clip_confirm, seeds 600–605), each where its
+summary.csv exists.
 
-python -m analysis.smollm2_surge_pilot [--results DIR]   # reads results/smollm2_surge_pilot/
+python -m analysis.smollm2_clip [--results DIR]   # reads results/<experiment>/summary.csv
 
 Besides the figure it writes shape.csv: for every run (complete or not) the healthy phase (the
 largest rise of the 10-step mean training reward over its steps 1–10 mean, and the step where
@@ -20,7 +22,10 @@ from analysis.panels import panel_row
 from analysis.runs import load_summary, results_root, smooth
 from harness.base.io import write_text_atomic
 
-EXP = "smollm2_surge_pilot"
+EXPERIMENTS = {  # experiment -> what its title says it is
+    "smollm2_surge_pilot": "PILOT, one seed",
+    "smollm2_clip_confirm": "CONFIRMATORY, seeds 600–605",
+}
 PANELS = [  # column, title, y label
     ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)"),
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
@@ -63,17 +68,20 @@ def shape(df: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
-    raw = load_summary(root, EXP)
-    table = shape(raw)
-    write_text_atomic(root / EXP / "shape.csv", table.to_csv(index=False, float_format="%.4g"))
-    print(table.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
-    df = smooth(raw, ["entropy_mean", "reward_mean", "response_len", "clip_frac_low"])
-    set_theme()
-    title = (
-        "SmolLM2-135M-Instruct, FP8 block W8A8 E4M3 μ, 2 minibatches, lr 3e-6, word problems "
-        "(PILOT, one seed)"
-    )
-    panel_row(df, PANELS, "optimizer step", title, root, EXP, legend_on=(0,))
+    for exp, what in EXPERIMENTS.items():
+        if not (root / exp / "summary.csv").exists():
+            continue
+        raw = load_summary(root, exp)
+        table = shape(raw)
+        write_text_atomic(root / exp / "shape.csv", table.to_csv(index=False, float_format="%.4g"))
+        print(table.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+        df = smooth(raw, ["entropy_mean", "reward_mean", "response_len", "clip_frac_low"])
+        set_theme()
+        title = (
+            "SmolLM2-135M-Instruct, FP8 block W8A8 E4M3 μ, 2 minibatches, lr 3e-6, word problems "
+            f"({what})"
+        )
+        panel_row(df, PANELS, "optimizer step", title, root, exp, legend_on=(0,))
 
 
 if __name__ == "__main__":
