@@ -177,6 +177,8 @@ def test_drift_resumes_and_checks_its_input(tiny_run, tmp_path):
         driver.main([str(tiny_run), "--checkpoints", str(tmp_path)])
     with pytest.raises(ValueError, match="engine.sampler=ct2"):
         driver.main([str(tiny_run), "--set", "engine.sampler=ct2"])
+    with pytest.raises(ValueError, match="routing_replay"):
+        driver.main([str(tiny_run), "--set", "engine.routing_replay=true"])
     with pytest.raises(FileNotFoundError, match="config.yaml"):
         driver.main([str(tmp_path)])
 

@@ -34,7 +34,7 @@ from harness.noise import forward_context, position_ids, prefix_hash
 from harness.rl.setup import build_policy, build_sampler, build_task_and_model, rollout_sampling
 from harness.rl.step import collect
 from harness.runs.config import schema
-from harness.runs.validate import validate
+from harness.runs.validate import noise_nodes, validate
 from harness.sampling.engines import Engine
 from harness.stats.diagnostics import dials
 from harness.stats.drift import SEQ_COLUMNS, factors, fork_var, logit_error, seq_sums
@@ -77,6 +77,13 @@ def run_config(run: Path, sets: list[str]) -> DictConfig:
         raise ValueError(
             f"engine.sampler={cfg.engine.sampler}: the engine part needs μ's logits at every "
             "position; valid: hf (the harness's own engine, its noise or dtype)"
+        )
+    routed = [n["name"] for n in noise_nodes(cfg) if n["name"] == "routing"]
+    if routed or cfg.engine.routing_replay:
+        raise ValueError(
+            f"noise={routed or 'routing'} / engine.routing_replay={cfg.engine.routing_replay}: "
+            "the teacher-forced forwards carry neither μ's routing record nor R3's replay yet; "
+            "valid: a dense μ (--set noise=<name> to replace the routing noise)"
         )
     validate(cfg)
     return cfg
