@@ -8,14 +8,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from harness import train
 from harness.rl import drift as driver
 from harness.stats import drift
 from harness.stats.diagnostics import dials
-
-CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
+from tests.test_train import _cfg
 
 
 def test_gate_by_hand():
@@ -114,17 +112,9 @@ def test_token_mult_prob_error_by_hand():
     assert got == pytest.approx((math.exp(0.1) + math.exp(0.2)) / 2)
 
 
-TINY = [
-    "model=tiny-llama",
-    "++task.digits=1",
-    "rollout.prompts_per_step=2",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=6",
+# tests.test_train's tiny config, with known logit noise and a checkpoint at every step
+DRIFT_RUN = [
     "rollout.temperature=0.7",
-    "eval_n=4",
-    "eval_every=2",
-    "progress=false",
-    "engine.device=cpu",
     "noise=logit",
     "noise.sigma=0.15",
     "steps=2",
@@ -143,9 +133,9 @@ def tiny_run(tmp_path_factory):
         return (torch.arange(ro.response_ids.shape[0]) % 2).float()
 
     out = tmp_path_factory.mktemp("run")
-    with pytest.MonkeyPatch.context() as mp, initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Task, "rollout_rewards", reward)
-        train.run(compose("train", overrides=[f"out={out}", *TINY]))
+        train.run(_cfg(out, *DRIFT_RUN))
     return out
 
 
