@@ -390,3 +390,19 @@ def test_figures_leave_out_the_aa_cell(tmp_path):
     assert without_aa(df, tmp_path, "exp").seed.tolist() == [0, 1, 100, 101]  # no prereg.yaml
     (tmp_path / "exp" / "prereg.yaml").write_text(yaml.safe_dump({"aa_offset": 100}))
     assert without_aa(df, tmp_path, "exp").seed.tolist() == [0, 1]
+
+
+def test_smollm2_figures_run_on_fixture(tmp_path):
+    """analysis.smollm2_clip draws the pilot and the confirmatory sweep, each where its summary
+    exists, and writes each one's per-run shape."""
+    from analysis import smollm2_clip
+
+    arms = [("ppo_clip", "π_old := μ (std clip)"), ("ppo_clip", "π_old recomputed (std clip)")]
+    fake_summary(tmp_path, "smollm2_clip_confirm", [(o, a, 0.0, 0) for o, a in arms])
+    smollm2_clip.main(["--results", str(tmp_path)])
+    assert (
+        tmp_path / "smollm2_clip_confirm" / "fig_smollm2_clip_confirm.png"
+    ).stat().st_size > 10_000
+    shape = pd.read_csv(tmp_path / "smollm2_clip_confirm" / "shape.csv")
+    assert len(shape) == 2 * 3  # a row per run: 2 arms × 3 seeds
+    assert not (tmp_path / "smollm2_surge_pilot").exists()  # no summary, no figure
