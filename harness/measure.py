@@ -64,7 +64,7 @@ from harness.runs.validate import ATTENTIONS, check_nodes, noise_nodes, split_no
 from harness.sampling.engines import Engine, Rollout
 from harness.sampling.logprobs import check_sampling
 from harness.sampling.samplers import check_sampler
-from harness.stats.diagnostics import CONF_EDGES, bin_index, identity_check
+from harness.stats.diagnostics import CONF_EDGES, bin_index, gate, identity_check
 from harness.stats.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
 
 # --- config -------------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def token_arrays(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str,
         "delta": log_rho(logp_trainer, ro.logp_mu)[m].double(),
         "conf": sc["p_t"][m].double(),
         "q": ro.logp_mu[m].double().exp(),  # exp in float64, as the statistics are
-        "gate": (1 - 2 * sc["p_t"] + sc["p_sq_sum"])[m].double(),
+        "gate": gate(sc["p_t"], sc["p_sq_sum"])[m].double(),
         "seq": rows[m],
     }
     return {k: v.cpu().numpy() for k, v in out.items()}

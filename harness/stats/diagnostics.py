@@ -37,6 +37,12 @@ MATCH_TOL = 1e-6  # |x| above this: a non-matching token
 SAFETY = 20.0  # |x| cap before exp (verl's SAFETY_BOUND)
 
 
+def gate(p_t: Tensor, p_sq_sum: Tensor) -> Tensor:
+    """The softmax gate g = 1 − 2 p_t + ‖p‖²: to first order, Var Δ per unit of i.i.d. logit-error
+    variance (the SNR post, §2)."""
+    return 1 - 2 * p_t + p_sq_sum
+
+
 def bin_index(conf, edges=CONF_EDGES):
     """Confidence bin of each p_t: b with edges[b] ≤ p < edges[b + 1] (p = 1 in the last bin).
     numpy in, numpy out; a tensor in, a tensor out."""

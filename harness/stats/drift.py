@@ -32,16 +32,11 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from harness.stats.diagnostics import FORK_P
+from harness.stats.diagnostics import FORK_P, gate
 
 PARTS = ("length", "gate", "engine", "residual")
 # per-sequence sums the decomposition and its bootstrap need (one row per response)
 SEQ_COLUMNS = ("n", "d2", "gate", "e2", "gate_mu", "fork_n", "fork_d", "fork_d2")
-
-
-def gate(p_t: Tensor, p_sq_sum: Tensor) -> Tensor:
-    """g = 1 − 2 p_t + ‖p‖²: the variance of Δ per unit of i.i.d. logit-error variance."""
-    return 1 - 2 * p_t + p_sq_sum
 
 
 @torch.no_grad()
