@@ -163,6 +163,9 @@ def test_drift_resumes_and_checks_its_input(tiny_run, tmp_path):
         before = (out / "drift.csv").read_text()
     driver.main([str(tiny_run), "--prompts", "8"])  # every step already there: nothing reruns
     assert (out / "drift.csv").read_text() == before
+    with pytest.raises(ValueError, match="other prompts"):  # would mix two kinds of pass
+        driver.main([str(tiny_run), "--prompts", "4"])
+    assert (out / "drift.csv").read_text() == before
     with pytest.raises(ValueError, match="--checkpoints"):
         driver.main([str(tiny_run), "--checkpoints", str(tmp_path)])
     with pytest.raises(ValueError, match="engine.sampler=ct2"):

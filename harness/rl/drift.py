@@ -19,6 +19,7 @@ bootstrap resamples) and <out>/meta.json; a rerun skips the checkpoints already 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from functools import partial
 from pathlib import Path
@@ -152,6 +153,22 @@ def measure(
     cfg: DictConfig, files: list[tuple[int, Path]], out: Path, prompts: int, seed: int
 ) -> pd.DataFrame:
     """The base weights (step 0) and each checkpoint, skipping the steps `out` already holds."""
+    # what every row shares; each row names its own weights (step, weights_sha). A rerun into a
+    # folder measured under other settings would mix two kinds of pass: refused before compute.
+    setting = {
+        "run_config": OmegaConf.to_container(cfg, resolve=True),
+        "prompts": prompts,
+        "seed": seed,
+    }
+    meta_path = out / "meta.json"
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        changed = [k for k in setting if json.loads(json.dumps(setting[k])) != old.get(k)]
+        if changed:
+            raise ValueError(
+                f"{out}: measured with other {', '.join(changed)} (its meta.json); valid: the "
+                "same run config, --prompts and --seed, or another --out"
+            )
     out.mkdir(parents=True, exist_ok=True)
     rows_path, seqs_path = out / "drift.csv", out / "seqs.csv"
     rows = pd.read_csv(rows_path) if rows_path.exists() else pd.DataFrame()
@@ -162,14 +179,7 @@ def measure(
     model.requires_grad_(False)
     sampler, trainer = build_sampler(cfg, model, tok), build_policy(cfg, model, tok)
     problems = task.sample(prompts, "eval", cfg.eval_seed)  # the same prompts at every step
-    # what every row shares; each row names its own weights (step, weights_sha)
-    meta = {
-        "run_config": OmegaConf.to_container(cfg, resolve=True),
-        "identity": ident,
-        "prompts": prompts,
-        "seed": seed,
-    }
-    write_json_atomic(out / "meta.json", meta)
+    write_json_atomic(meta_path, {**setting, "identity": ident})
     for step, path in todo:
         if step in done:
             continue
