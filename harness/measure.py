@@ -38,7 +38,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ from harness.base.models import DTYPES, load_model, resolve_device, set_tf32, we
 from harness.noise import NOISE, layer_amplification
 from harness.objectives import build_objective
 from harness.rl.alpha import minibatch_schedule, perturb_weights_
-from harness.rl.setup import build_policy, build_sampler, step_seed
+from harness.rl.setup import build_policy, build_sampler, r2, step_seed
 from harness.rl.step import Sampling, adamw, collect, update
 from harness.runs.config import EngineCfg, ModelCfg, OptimCfg, RolloutCfg, open_schema
 from harness.runs.launch import run_task
@@ -169,6 +169,7 @@ def validate(cfg: DictConfig) -> None:
         # Δ is the trainer's recompute against μ, in the trainer's own precision
         ("engine.logp_old_source", eng.logp_old_source, ("trainer",)),
         ("engine.trainer_fp8", eng.trainer_fp8, (False,)),
+        ("engine.routing_replay_source", eng.routing_replay_source, ("sampler", "trainer")),
     ]:
         if value not in valid:
             raise ValueError(f"{key}={value!r}; valid: {', '.join(map(repr, valid))}")
@@ -623,6 +624,7 @@ def run(cfg: DictConfig) -> dict:
             sampling(cfg),
             seed=step_seed(cfg.seed, i),
             mask_replay=replay,
+            own_routes=r2(cfg),
             progress=cfg.progress,
         )
         sc = {"p_t": batch.p_t, "p_sq_sum": batch.p_sq_sum}
@@ -665,6 +667,8 @@ def run(cfg: DictConfig) -> dict:
     for i in range(cfg.measurement.rounds):
         print(f"[measure] live round {i + 1}/{cfg.measurement.rounds}: sampling ...", flush=True)
         ro = sample(sampler, prompts, cfg, seed=step_seed(cfg.seed, LIVE_STEP0 + i))
+        if r2(cfg):  # the live policy replays the trainer's routes at θ_b
+            ro = replace(ro, routing=trainer.own_routes(ro))
         sc_b = trainer.logp(ro, mask_replay=replay)
         sc_t = sc_b if live is trainer else live.logp(ro, mask_replay=replay)
         ident["live"].append(check_identity(sc_t["logp"], ro, cfg.measurement.identity_tol, "live"))

@@ -48,7 +48,7 @@ from harness.noise.fp8 import high_precision, shadow_pass
 from harness.objectives.opsd import teacher_inputs
 from harness.rl import checkpoint, mechanism
 from harness.rl.alpha import minibatch_schedule
-from harness.rl.setup import Setup, build_setup, rollout_sampling, step_seed, token_budget
+from harness.rl.setup import Setup, build_setup, r2, rollout_sampling, step_seed, token_budget
 from harness.rl.step import collect, evaluate, gather_batch, share_rows, update, update_distill
 from harness.runs import config as _schema  # noqa: F401  (registers the structured-config schema)
 from harness.runs.launch import read_json, run_task, update_meta
@@ -115,7 +115,7 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
             s.sampler, s.old_scorer(), [p.prompt for p in problems],
             partial(task.rollout_rewards, problems, tokenizer=s.tok), rollout_sampling(cfg, task),
             seed=seed, advantage=cfg.advantage, logp_old_source=cfg.engine.logp_old_source,
-            mask_replay=cfg.engine.mask_replay, batch_rows=batch_rows,
+            mask_replay=cfg.engine.mask_replay, own_routes=r2(cfg), batch_rows=batch_rows,
         )  # fmt: skip
     except FloatingPointError as e:
         raise TrainingAborted(
@@ -205,6 +205,7 @@ def snr_refresh(s: Setup, cfg: DictConfig, task: Task, step: int) -> dict[str, f
         seed=seed,
         advantage=cfg.advantage,
         mask_replay=cfg.engine.mask_replay,
+        own_routes=r2(cfg),
     )
     s.sampler.load_weights_from_state(s.history.behaviour())
     m = batch.mask.bool()

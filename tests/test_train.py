@@ -363,7 +363,7 @@ def test_copy_exit_mass_by_hand():
 
 def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path):
     """R3 with m = 2 and staleness 1: each minibatch replays its own rows' routes, and
-    replay brings the trainer closer to μ than no replay does."""
+    replay brings the trainer closer to μ than no replay does; R2 through the same loop."""
     # evaluation off: replay acts on the updates only
     common = [
         "model=tiny-moe",
@@ -376,9 +376,15 @@ def test_routing_replay_through_the_loop_with_minibatches_and_staleness(tmp_path
     ]
     train.run(_cfg(tmp_path / "r3", *common, "engine.routing_replay=true"))
     train.run(_cfg(tmp_path / "plain", *common))
+    r2 = ["engine.routing_replay=true", "engine.routing_replay_source=trainer"]
+    train.run(_cfg(tmp_path / "r2", *common, *r2))
     r3, plain = _metrics(tmp_path / "r3"), _metrics(tmp_path / "plain")
     assert [r["step"] for r in r3] == [1, 2] and all(r["grad/norm"] >= 0 for r in r3)
     assert r3[0]["dial/mean_abs_delta"] < 0.5 * plain[0]["dial/mean_abs_delta"]
+    # R2 replays the trainer's own routes: at step 1 π_old routes as without replay, so the
+    # mismatch μ sees is the plain run's (R2 acts on α, the updates, not on β)
+    first = _metrics(tmp_path / "r2")[0]
+    assert first["dial/mean_abs_delta"] == pytest.approx(plain[0]["dial/mean_abs_delta"], abs=1e-6)
 
 
 def test_routing_replay_leaves_evaluation_to_the_trainers_own_routes(tmp_path):
@@ -399,6 +405,77 @@ def test_routing_replay_leaves_evaluation_to_the_trainers_own_routes(tmp_path):
     )  # same model object: R3's hooks pass through when no routes are set
     assert torch.equal(again.response_ids, plain.response_ids)
     assert torch.equal(again.logp_mu, plain.logp_mu)
+
+
+def test_own_routes_are_the_routers_top_k():
+    """`Engine.own_routes` (what R2 replays) against the model's own router logits, read by
+    transformers' `output_router_logits`: the top-k experts of every position and layer."""
+    from harness.base.models import load_model
+    from harness.sampling.rollout import Rollout
+
+    model, tok = load_model("tiny-moe")
+    eng = Engine(model, tok)
+    ro = eng.generate(["1+1=", "22+3="], n=2, max_new_tokens=5, seed=0)
+    routes = eng.own_routes(ro)
+    B, S = ro.tokens.shape
+    with torch.no_grad():
+        out = model(
+            input_ids=ro.tokens,
+            attention_mask=ro.attention_mask,
+            position_ids=(ro.attention_mask.cumsum(1) - 1).clamp(min=0),
+            output_router_logits=True,
+        )
+    k = model.config.num_experts_per_tok
+    naive = torch.stack([z.topk(k, -1).indices.view(B, S, k) for z in out.router_logits], 2)
+    assert routes.shape == (B, S, model.config.num_hidden_layers, k)
+    assert torch.equal(routes.sort(-1).values, naive.sort(-1).values)
+    assert isinstance(ro, Rollout) and ro.routing is None  # a clean engine records nothing
+
+
+def test_r2_replays_the_trainers_own_routes_at_pi_old_not_mus(tmp_path):
+    """R2 (engine.routing_replay_source=trainer): the rollout's routes become the trainer's own at
+    the behaviour weights; after the routers move (an update), π_θ's pass still reaches the
+    recorded experts; at those weights its log-probs equal a pass without replay."""
+    from functools import partial
+
+    from harness.rl.step import collect
+
+    cfg = _cfg(
+        tmp_path, "model=tiny-moe", "noise=routing", "++noise.sigma=1.0",
+        "engine.routing_replay=true", "engine.routing_replay_source=trainer", "alpha.minibatches=2",
+    )  # fmt: skip
+    s = setup.build_setup(cfg)
+    problems = s.task.sample(2, "train", 0)
+    args = (s.sampler, s.old_scorer(), [p.prompt for p in problems])
+    kw = dict(
+        reward=partial(s.task.rollout_rewards, problems, tokenizer=s.tok),
+        sampling=setup.rollout_sampling(cfg, s.task),
+        seed=0,
+    )
+    _, ro_mu, _ = collect(*args, **kw)  # R3's routes: μ's, under routing noise
+    batch, ro, _ = collect(*args, **kw, own_routes=True)
+    own = s.policy.own_routes(ro)
+    assert torch.equal(ro.routing[:, : own.shape[1]], own)
+    assert not torch.equal(ro_mu.routing, own[:, : ro_mu.routing.shape[1]])  # μ's differ
+    plain = Engine(s.policy.model, s.tok)  # the same model, no replay attached
+    assert torch.allclose(batch.logp_old, plain.logp(ro)["logp"], atol=1e-6)
+    plain.close()
+    with torch.no_grad():  # move every router as an update would
+        g = torch.Generator().manual_seed(0)
+        for layer in s.policy.model.model.layers:
+            w = layer.mlp.gate.weight
+            w.add_(torch.randn(w.shape, generator=g) * 3 * w.std())
+    assert not torch.equal(s.policy.own_routes(ro), own)
+    used = []  # hooks registered after R2's: they see the experts the pass used
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, out: used.append(out[2]))
+        for layer in s.policy.model.model.layers
+    ]
+    s.policy.logp(ro, grad=True)
+    for h in hooks:
+        h.remove()
+    B, S = ro.tokens.shape
+    assert torch.equal(torch.stack([u.view(B, S, -1) for u in used], 2), own)
 
 
 @pytest.mark.slow

@@ -103,6 +103,11 @@ class Setup:
         return distributed.FullView(m) if self.policy.sharded else m
 
 
+def r2(cfg: DictConfig) -> bool:
+    """R2: the trainer replays its own routes at π_old (engine.routing_replay_source=trainer)."""
+    return cfg.engine.routing_replay and cfg.engine.routing_replay_source == "trainer"
+
+
 def build_policy(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
     """A trainer-side policy (π_θ, π_old, the measurement job's reference) on `model`: R3 replays
     μ's routes (engine.routing_replay); engine.trainer_fp8 runs the sampler's FP8 recipe with a
@@ -123,7 +128,8 @@ def build_policy(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
 def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine, Any, Any, Any]:
     """(π_θ on `model`, π_old, μ, the OPSD teacher). π_old is its own copy loaded with the
     behaviour weights under staleness, None when the training pass serves as π_old (staleness 0,
-    one minibatch, `reuse_old_logp`), else π_θ itself; the teacher (distill.enabled) is a frozen
+    one minibatch, `reuse_old_logp`, no R2: R2 records its routes in π_old's pass), else π_θ
+    itself; the teacher (distill.enabled) is a frozen
     copy, None otherwise. Every copy is taken before any noise or replay hook is attached
     (deepcopy copies hooks)."""
     sampler = build_sampler(cfg, model, tok)
@@ -139,7 +145,12 @@ def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine,
     policy = build_policy(cfg, model, tok)
     if old_model is not None:
         old_policy = build_policy(cfg, old_model, tok)
-    elif cfg.alpha.minibatches == 1 and cfg.reuse_old_logp and not cfg.distill.enabled:
+    elif (
+        cfg.alpha.minibatches == 1
+        and cfg.reuse_old_logp
+        and not cfg.distill.enabled
+        and not r2(cfg)
+    ):
         old_policy = None
     else:
         old_policy = policy

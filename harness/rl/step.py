@@ -58,12 +58,15 @@ def collect(
     advantage: str = "grpo",
     logp_old_source: str = "trainer",
     mask_replay: bool = True,
+    own_routes: bool = False,
     progress: bool = False,
     batch_rows: tuple[int, int] | None = None,
 ) -> tuple[TokenBatch, Rollout, Tensor]:
     """μ samples `sampling.n` responses per prompt; `reward(ro)` → [B] rewards; group
     advantages; π_old scored by `old_policy` (with the sampler's support and routes for these
-    rows). Returns (batch, rollout, rewards); `batch.logp_old` is None when `old_policy` is.
+    rows). `own_routes` (R2): the rollout's routes become `old_policy`'s own at these weights,
+    which π_old's pass and every later pass on the rollout then replay. Returns (batch, rollout,
+    rewards); `batch.logp_old` is None when `old_policy` is.
     `batch_rows`: these rows' place in the step's batch (a rank's share; `Engine.generate`)."""
     ro = sampler.generate(
         list(prompts),
@@ -85,6 +88,8 @@ def collect(
         logp_mu=ro.logp_mu,
         advantages=adv[:, None].expand_as(ro.logp_mu) * ro.response_mask,
     )
+    if own_routes:
+        ro = dataclasses.replace(ro, routing=old_policy.own_routes(ro))
     if old_policy is not None:
         batch = batch.with_old(old_policy.logp(ro, mask_replay=mask_replay), logp_old_source)
     return batch, ro, rewards

@@ -63,7 +63,10 @@ class EngineCfg:
     kv_cache: bool = True  # False: the sampler decodes by full recompute (`kv` difference)
     sampler_attention: str = "sdpa"  # sdpa | eager (`attention` difference)
     mask_replay: bool = True  # trainer replays the sampler's top-p/top-k support
-    routing_replay: bool = False  # R3: trainer replays the sampler's MoE routes
+    # MoE routing replay on the trainer's passes, of whose routes: sampler = μ's (R3, Ma et al.,
+    # arXiv 2510.11370); trainer = its own at π_old, recorded where π_old is scored (R2, GSPO)
+    routing_replay: bool = False
+    routing_replay_source: str = "sampler"
     logp_old_source: str = "trainer"  # trainer (recompute at behaviour weights) | sampler (μ)
     # full-pipeline FP8 (Calibrated Clipping, arXiv 2609.22870): every trainer-side forward (the
     # gradient pass and the π_old recompute) in the sampler's FP8 recipe (needs noise=fp8),

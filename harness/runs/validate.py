@@ -207,6 +207,7 @@ def validate(cfg: DictConfig) -> None:
 
     for key, value, valid in [
         ("engine.logp_old_source", cfg.engine.logp_old_source, ("trainer", "sampler")),
+        ("engine.routing_replay_source", cfg.engine.routing_replay_source, ("sampler", "trainer")),
         ("advantage", cfg.advantage, ADVANTAGES),
         ("engine.sampler_attention", cfg.engine.sampler_attention, ATTENTIONS),
         ("engine.sampler_dtype", cfg.engine.sampler_dtype, tuple(DTYPES)),

@@ -555,6 +555,23 @@ class Engine(Sampler):
             return {k: ro.logp_mu.new_zeros(0, ro.logp_mu.shape[1]) for k in keys}
         return outs[0] if len(outs) == 1 else {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
 
+    @torch.no_grad()
+    def own_routes(self, ro: Rollout) -> Tensor:
+        """The experts this model's own routers choose for the rollout's tokens (prompt and
+        response positions, one no-grad forward of all rows, every rank once when sharded):
+        [B, S, n_moe_layers, k], what R2 replays. R2 (vanilla routing replay, Zheng et al., "Group
+        Sequence Policy Optimization", arXiv 2507.18071; verl `router_replay.mode=R2`) records the
+        routes where the trainer scores π_old and forces them on π_θ's passes: the minibatch
+        updates move the gate weights but not which experts a token reaches. R3 replays μ's."""
+        recorder = RoutingNoise(
+            sigma=0.0
+        )  # σ = 0: records the routers' own choice, changes nothing
+        tokens, attn = ro.tokens, ro.attention_mask
+        pos = position_ids(attn)
+        with recorder.attached(self.model), forward_context(prefix_hash(tokens, attn), pos_BxS=pos):
+            self.model(input_ids=tokens, attention_mask=attn, position_ids=pos, logits_to_keep=1)
+            return recorder.take_record()
+
     def passes(self, n: int) -> int:
         """The number of passes every rank runs when this one needs `n` (sharded: the most any
         rank needs, since FSDP's collectives pair up pass by pass)."""

@@ -59,10 +59,11 @@ def check_sampler(eng: DictConfig, noise: list[str], rollout: DictConfig | None 
             "(its kernels and precision); inject none (noise=none, extra_noise=[]), or use "
             "engine.sampler=hf with the noise"
         )
-    if eng.routing_replay:
+    if eng.routing_replay and eng.routing_replay_source == "sampler":
         raise ValueError(
-            f"engine.routing_replay=True with engine.sampler={name}; valid: false "
-            "(only the hf sampler records its MoE routes for R3)"
+            f"engine.routing_replay=True with engine.sampler={name}; valid: false, or "
+            "engine.routing_replay_source=trainer (R2); only the hf sampler records its MoE "
+            "routes for R3"
         )
     if name == "vllm":
         r = rollout if rollout is not None else {"top_k": 0, "top_p": 1.0}
