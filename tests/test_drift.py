@@ -170,10 +170,35 @@ def test_drift_resumes_and_checks_its_input(tiny_run, tmp_path):
         driver.main([str(tiny_run), "--checkpoints", str(tmp_path)])
     with pytest.raises(ValueError, match="engine.sampler=ct2"):
         driver.main([str(tiny_run), "--set", "engine.sampler=ct2"])
-    with pytest.raises(ValueError, match="routing_replay"):
-        driver.main([str(tiny_run), "--set", "engine.routing_replay=true"])
     with pytest.raises(FileNotFoundError, match="config.yaml"):
         driver.main([str(tmp_path)])
+
+
+def test_drift_on_the_upcycled_moe_routing_noise_r3_r2(tiny_run, tmp_path):
+    """The dense run's checkpoints measured as their upcycled MoE with router noise on μ: the
+    teacher-forced forwards reproduce the decode (the noise re-selects the same routes), μ's
+    routes differ from the trainer's; R3 removes the flips and shrinks the engine part; R2 at
+    frozen weights replays what the trainer would choose anyway, so it equals no replay."""
+    moe = ["model.upcycle={n_experts: 4, top_k: 2, expert_jitter: 0.3}", "noise=routing"]
+
+    def rows(name, *sets):
+        return driver.main(
+            [str(tiny_run), "--prompts", "4", "--out", str(tmp_path / name), "--set", *moe, *sets]
+        )
+
+    plain = rows("plain", "noise.sigma=1.0")
+    assert plain["step"].tolist() == [0, 1, 2] and len(set(plain["weights_sha"])) == 3
+    assert plain["tf_abs_err"].max() < 1e-5
+    assert (plain["route_flips"] > 0.05).all()
+    r3 = rows("r3", "noise.sigma=1.0", "engine.routing_replay=true")
+    assert (r3["route_flips"] == plain["route_flips"]).all()  # the same μ, the same trainer
+    assert (r3["engine"] < 0.5 * plain["engine"]).all()
+    r2 = rows("r2", "noise.sigma=1.0", "engine.routing_replay=true",
+              "engine.routing_replay_source=trainer")  # fmt: skip
+    for col in ("engine", "mean_abs_delta", "kl_k3", "gate"):
+        assert r2[col].to_numpy() == pytest.approx(plain[col].to_numpy(), rel=1e-5, abs=1e-9)
+    clean = rows("clean", "noise.sigma=0.0")  # no router noise: no flips, β at float rounding
+    assert (clean["route_flips"] == 0).all() and clean["mean_abs_delta"].max() < 1e-4
 
 
 def test_the_figure_and_parts_table(tiny_run):

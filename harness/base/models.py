@@ -14,7 +14,7 @@ import string
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -336,15 +336,32 @@ def upcycle_to_moe(
     )
     cfg._experts_implementation = "eager"
     cfg._attn_implementation = c._attn_implementation
-    dtype = next(model.parameters()).dtype
-    moe = MixtralForCausalLM(cfg).to(dtype)
-    dense = model.state_dict()
+    moe = MixtralForCausalLM(cfg).to(next(model.parameters()).dtype)
+    state = upcycle_state(model.state_dict(), n_experts, expert_jitter, seed)
+    missing, unexpected = moe.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"upcycle: missing={missing} unexpected={unexpected}")
+    moe.tie_weights()
+    return moe.eval()
+
+
+def upcycle_state(
+    dense: dict[str, Tensor], n_experts: int = 4, expert_jitter: float = 0.0, seed: int = 0
+) -> dict[str, Tensor]:
+    """A dense Llama state dict as the upcycled Mixtral's (`upcycle_to_moe`): attention, norms and
+    embeddings as they are; each layer's MLP copied into every expert (times 1 + jitter·ξ per
+    weight); a fresh router (std 0.02). The same seed gives the same router and jitter, so the
+    checkpoints of a dense run upcycle into one MoE family (harness.rl.drift)."""
+    layers = sorted({int(k.split(".")[2]) for k in dense if ".mlp.gate_proj." in k})
+    if not layers:
+        raise ValueError("upcycle_state needs a dense Llama state dict (mlp.gate_proj weights)")
     g = torch.Generator().manual_seed(seed)
     state = {k: v for k, v in dense.items() if ".mlp." not in k}
-    for i in range(c.num_hidden_layers):
+    for i in layers:
         p = f"model.layers.{i}.mlp."
         gate_up = torch.cat([dense[p + "gate_proj.weight"], dense[p + "up_proj.weight"]], dim=0)
         down = dense[p + "down_proj.weight"]
+        dtype = down.dtype
         experts_gu = gate_up.unsqueeze(0).repeat(n_experts, 1, 1)
         experts_d = down.unsqueeze(0).repeat(n_experts, 1, 1)
         if expert_jitter > 0:
@@ -356,14 +373,9 @@ def upcycle_to_moe(
             )
         state[p + "experts.gate_up_proj"] = experts_gu
         state[p + "experts.down_proj"] = experts_d
-        state[p + "gate.weight"] = (0.02 * torch.randn(n_experts, c.hidden_size, generator=g)).to(
-            dtype
-        )
-    missing, unexpected = moe.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"upcycle: missing={missing} unexpected={unexpected}")
-    moe.tie_weights()
-    return moe.eval()
+        hidden = down.shape[0]
+        state[p + "gate.weight"] = (0.02 * torch.randn(n_experts, hidden, generator=g)).to(dtype)
+    return state
 
 
 def export(spec: str, dest: str | Path) -> tuple[Path, str]:

@@ -11,6 +11,8 @@ each part. Where the first-order picture holds, the parts sum to the measured gr
     python -m harness.rl.drift results/<exp>/<run>                   # base + its checkpoints
     python -m harness.rl.drift RUN --checkpoints DIR_OR_FILES ... --out results/beta_drift/x
     python -m harness.rl.drift RUN --set noise=none engine.sampler_dtype=bf16   # another μ
+    python -m harness.rl.drift RUN --set 'model.upcycle={n_experts: 4, top_k: 2}' \
+        'extra_noise=[{name: routing, sigma: 0.1}]' engine.routing_replay=true   # MoE, R3
 
 writes <out>/drift.csv (a row per checkpoint), <out>/seqs.csv (per-response sums, what the
 bootstrap resamples) and <out>/meta.json; a rerun skips the checkpoints already written.
@@ -30,12 +32,19 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness.base.io import write_json_atomic, write_text_atomic
-from harness.base.models import weights_sha
-from harness.noise import forward_context, position_ids, prefix_hash
-from harness.rl.setup import build_policy, build_sampler, build_task_and_model, rollout_sampling
+from harness.base.models import upcycle_state, weights_sha
+from harness.noise import RoutingNoise, forward_context, position_ids, prefix_hash
+from harness.noise.routing import find_routers
+from harness.rl.setup import (
+    build_policy,
+    build_sampler,
+    build_task_and_model,
+    r2,
+    rollout_sampling,
+)
 from harness.rl.step import collect
 from harness.runs.config import schema
-from harness.runs.validate import noise_nodes, validate
+from harness.runs.validate import validate
 from harness.sampling.engines import Engine
 from harness.stats.diagnostics import dials
 from harness.stats.drift import SEQ_COLUMNS, factors, fork_var, logit_error, seq_sums
@@ -79,13 +88,6 @@ def run_config(run: Path, sets: list[str]) -> DictConfig:
             f"engine.sampler={cfg.engine.sampler}: the engine part needs μ's logits at every "
             "position; valid: hf (the harness's own engine, its noise or dtype)"
         )
-    routed = [n["name"] for n in noise_nodes(cfg) if n["name"] == "routing"]
-    if routed or cfg.engine.routing_replay:
-        raise ValueError(
-            f"noise={routed or 'routing'} / engine.routing_replay={cfg.engine.routing_replay}: "
-            "the teacher-forced forwards carry neither μ's routing record nor R3's replay yet; "
-            "valid: a dense μ (--set noise=<name> to replace the routing noise)"
-        )
     validate(cfg)
     return cfg
 
@@ -93,10 +95,13 @@ def run_config(run: Path, sets: list[str]) -> DictConfig:
 @torch.no_grad()
 def logit_errors(sampler: Engine, trainer: Engine, ro) -> dict[str, torch.Tensor]:
     """`logit_error` at every response position of `ro` ([B, T] each): both engines' forwards,
-    teacher-forced, the sampler's noise keyed on the positions' prefixes as in its scoring."""
+    teacher-forced, the sampler's noise keyed on the positions' prefixes as in its scoring (MoE
+    routing noise re-selects the decode's routes), the trainer replaying routes as in its
+    scoring (R3, R2)."""
     tokens, attn, n = ro.tokens, ro.attention_mask, ro.n_prompt
     h_mu = sampler.hidden_states(tokens, attn, n)
-    h = trainer.hidden_states(tokens, attn, n).float()
+    with trainer.replaying(ro):
+        h = trainer.hidden_states(tokens, attn, n).float()
     B, T, H = h.shape
     hash_N = prefix_hash(tokens, attn)[:, n - 1 : -1].reshape(-1)
     pos_N = position_ids(attn)[:, n - 1 : -1].reshape(-1)
@@ -112,6 +117,25 @@ def logit_errors(sampler: Engine, trainer: Engine, ro) -> dict[str, torch.Tensor
     return {k: torch.cat([p[k] for p in parts]).view(B, T) for k in parts[0]}
 
 
+@torch.no_grad()
+def route_flips(sampler: Engine, trainer: Engine, ro) -> float:
+    """The fraction of router decisions (response token × MoE layer) where μ's top-k set differs
+    from the set the trainer's own routers choose at the same weights: the flips R3 removes (Ma et
+    al., arXiv 2510.11370, report ~10% between SGLang and Megatron). NaN on a dense model."""
+    try:
+        find_routers(trainer.model, "route flips")
+    except ValueError:  # a dense model
+        return float("nan")
+    mu = sampler.own_routes(ro)  # under μ's routing noise: the decode's routes, teacher-forced
+    for noise in sampler.noise:  # that forward also reached μ's routing record: drop it
+        if isinstance(noise, RoutingNoise):
+            noise.take_record()
+    own = trainer.own_routes(ro)
+    n = ro.n_prompt
+    differ = (mu.sort(-1).values != own.sort(-1).values).any(-1)[:, n - 1 : -1]  # [B, T, L]
+    return float(differ[ro.response_mask.bool()].float().mean())
+
+
 def calibration_pass(cfg, task, tok, sampler, trainer, problems, seed: int):
     """One checkpoint: μ samples, the trainer scores (the dials), both forwards give ε. Returns
     (the row of drift.csv, the per-response sums)."""
@@ -123,6 +147,7 @@ def calibration_pass(cfg, task, tok, sampler, trainer, problems, seed: int):
         rollout_sampling(cfg, task),
         seed=seed,
         mask_replay=cfg.engine.mask_replay,
+        own_routes=r2(cfg),
     )
     x, m = batch.log_rho, batch.mask
     err = logit_errors(sampler, trainer, ro)
@@ -145,6 +170,7 @@ def calibration_pass(cfg, task, tok, sampler, trainer, problems, seed: int):
         "e2_mean": float(sums["e2"].sum() / sums["n"].sum()),
         "d2_tf": float((err["delta_tf"][sel] ** 2).mean()),  # the same tokens, teacher-forced
         "logit_std": float(err["z_std"][sel].mean()),
+        "route_flips": route_flips(sampler, trainer, ro),
     }
     return row, sums
 
@@ -187,6 +213,11 @@ def measure(
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["model"]
             if state is None:
                 raise ValueError(f"{path}: a sharded run's checkpoint; valid: a one-rank run's")
+            if cfg.model.upcycle and any(".mlp.gate_proj." in k for k in state):
+                # a dense run's checkpoint measured as its upcycled MoE (--set model.upcycle=...)
+                up = OmegaConf.to_container(cfg.model.upcycle, resolve=True)
+                up.pop("top_k", None)
+                state = upcycle_state(state, **up)
             trainer.load_weights_from_state(state)
             sampler.load_weights_from_state(state)
         print(f"[drift] step {step}: calibration pass on {prompts} prompts ...", flush=True)

@@ -591,17 +591,25 @@ class Engine(Sampler):
         self, ro: Rollout, rows: Tensor, grad: bool, stats: bool, mask_replay: bool
     ) -> dict[str, Tensor]:
         """One scoring call of rows `rows`, with R3's routes of these rows set for it only."""
+        with self.replaying(ro, rows):
+            return self._forward(self._logp, ro, rows, grad, stats, mask_replay)
+
+    @contextlib.contextmanager
+    def replaying(self, ro: Rollout, rows: Tensor | None = None):
+        """Inside, this engine's routing replay (R3, or R2 once `ro.routing` holds the trainer's
+        routes) forces the rollout's routes of rows `rows` (all by default); a no-op without one."""
         replay = self._noise_of(RoutingReplay)
         if replay is None:
-            return self._forward(self._logp, ro, rows, grad, stats, mask_replay)
+            yield
+            return
         if ro.routing is None:
             raise ValueError(
                 "routing replay (R3) needs the sampler's routes: the sampler must carry "
                 "`routing` noise (noise=routing) on an MoE model"
             )
-        replay.set_indices(ro.routing[rows])
+        replay.set_indices(ro.routing if rows is None else ro.routing[rows])
         try:
-            return self._forward(self._logp, ro, rows, grad, stats, mask_replay)
+            yield
         finally:
             replay.indices = None
 
