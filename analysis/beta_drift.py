@@ -7,7 +7,8 @@ into length, the softmax gate, the engine's logit error and the residual the fir
 reads every <root>/<series>/{drift.csv, seqs.csv} (harness.rl.drift's output; a series is one
 run's checkpoints under one sampler) and writes <root>/parts.csv (each part's log growth against
 step 0 with bootstrap 95% intervals over responses, the measured growth, and the fork-bin Var β
-ratio) and <root>/fig_beta_drift.{png,pdf}.
+ratio), <root>/fig_beta_drift.{png,pdf} (the dense series) and, where series measure an
+upcycled MoE (harness.rl.drift --set model.upcycle=...), <root>/fig_beta_drift_moe.{png,pdf}.
 """
 
 from __future__ import annotations
@@ -67,7 +68,23 @@ def parts_table(folder: Path, n_boot: int = 2000) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def plot(root: Path, folders: list[Path], parts: pd.DataFrame) -> Path:
+def run_config(folder: Path) -> dict:
+    return json.loads((folder / "meta.json").read_text())["run_config"]
+
+
+def mu_label(cfg: dict) -> str:
+    """μ and the trainer's replay, as the series measured them."""
+    eng, names = cfg["engine"], [n["name"] for n in [cfg["noise"], *cfg.get("extra_noise", [])]]
+    mu = f"μ {eng['sampler_dtype']}, noise {'+'.join(names)}"
+    if cfg["model"].get("upcycle"):
+        up = cfg["model"]["upcycle"]
+        mu += f", MoE {up['n_experts']}×top-{up['top_k']} jitter {up.get('expert_jitter', 0)}"
+        if eng["routing_replay"]:
+            mu += ", R2" if eng.get("routing_replay_source") == "trainer" else ", R3"
+    return mu
+
+
+def plot(root: Path, folders: list[Path], parts: pd.DataFrame, name: str) -> Path:
     set_theme()
     fig, axes = plt.subplots(2, len(folders), figsize=(5.2 * len(folders), 8), squeeze=False)
     for j, folder in enumerate(folders):
@@ -78,9 +95,11 @@ def plot(root: Path, folders: list[Path], parts: pd.DataFrame) -> Path:
             ax.plot(d.step, d[col] / d[col].iloc[0], "o-", ms=3, color=f"C{i}", label=label)
         ax.axhline(1, color="k", lw=0.8)
         ax.set(yscale="log", xlabel="training step (checkpoint)", ylabel="dial / its step-0 value")
-        cfg = json.loads((folder / "meta.json").read_text())["run_config"]
-        mu = f"μ {cfg['engine']['sampler_dtype']}, noise {cfg['noise']['name']}"
-        ax.set_title(f"{folder.name} ({mu}): the dials at frozen weights", fontsize=10)
+        title = f"{folder.name}: the dials at frozen weights\n({mu_label(run_config(folder))})"
+        if "route_flips" in d and d["route_flips"].notna().all():  # an MoE series
+            flips = d["route_flips"].iloc[[0, -1]] * 100
+            title += f"; route flips {flips.iloc[0]:.1f}% → {flips.iloc[1]:.1f}%"
+        ax.set_title(title, fontsize=9)
         p = parts[parts.series == folder.name].sort_values("step")
         bx = axes[1, j]
         x = np.arange(len(p))
@@ -100,7 +119,7 @@ def plot(root: Path, folders: list[Path], parts: pd.DataFrame) -> Path:
     axes[0, 0].legend(fontsize=7)
     axes[1, 0].legend(fontsize=7)
     fig.text(0.01, 0.005, footer(folders[0]), fontsize=8, va="bottom")
-    return savefig(fig, root / "fig_beta_drift", bottom=0.03)
+    return savefig(fig, root / name, bottom=0.03)
 
 
 def footer(folder: Path) -> str:
@@ -122,7 +141,11 @@ def main(root: str | Path = RESULTS / "beta_drift") -> Path | None:
         return None
     parts = pd.concat([parts_table(f) for f in folders], ignore_index=True)
     write_text_atomic(root / "parts.csv", parts.round(6).to_csv(index=False))
-    return plot(root, folders, parts)
+    moe = [f for f in folders if run_config(f)["model"].get("upcycle")]
+    if moe:
+        plot(root, moe, parts, "fig_beta_drift_moe")
+    dense = [f for f in folders if f not in moe]
+    return plot(root, dense, parts, "fig_beta_drift") if dense else None
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ def test_every_preset_exists():
         "cis_dose",
         "smollm2_surge_pilot",
         "smollm2_clip_confirm",
+        "smollm2_collapse_pilot",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
