@@ -96,6 +96,7 @@ def test_registry_keys():
     }
     assert set(AGGREGATIONS) == {
         "token-mean",
+        "token-sum",
         "seq-mean-token-mean",
         "seq-mean-token-sum",
         "seq-mean-token-sum-norm",

@@ -46,6 +46,20 @@ def test_seq_mean_token_sum_by_hand():
     assert f(t([[1.0, 2.0, 0.0], [0.0, 0.0, 0.0]]), t([[1, 1, 0], [0, 0, 0]])).item() == 3.0
 
 
+def test_token_sum_by_hand():
+    # verl agg_loss token-sum: ℓ = [[1, 2, pad], [3, pad, pad]] -> 1 + 2 + 3 = 6, whatever the
+    # counts (token-mean 2); a rejected token (ℓ = 0, still counted) changes nothing
+    f = AGGREGATIONS["token-sum"]
+    assert f(t([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]), t([[1, 1, 0], [1, 0, 0]])).item() == 6.0
+    assert f(t([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]), t([[1, 1, 1], [1, 1, 0]])).item() == 6.0
+    # through an objective: PPO at r = 1, A = +1 on 3 counted tokens -> −3, gradient −1 per token
+    # (token-mean: −1/3); micro-batching reaches every aggregation through the same global loss
+    # (harness.rl.step.backward_through_logp), tested with the normalised ones
+    b = make([[-1.0] * 3], [[-1.0] * 3], [[1.0] * 3])
+    loss, grad, _ = run(build_objective("ppo_clip", aggregation="token-sum"), [[-1.0] * 3], b)
+    assert loss == pytest.approx(-3.0) and grad.tolist() == [[-1.0] * 3]
+
+
 # --- verl rollout_rs -----------------------------------------------------------------------------
 
 

@@ -230,6 +230,14 @@ def token_mean(loss: Tensor, den: Tensor) -> Tensor:
     return loss.sum() / den.sum().clamp_min(1.0)
 
 
+@register(AGGREGATIONS, "token-sum")
+def token_sum(loss: Tensor, den: Tensor) -> Tensor:
+    """verl token-sum: Σ_{i,t} ℓ over the whole minibatch, no normaliser (verl scales each rank's
+    local sum by the data-parallel size so that the mean-reduced gradient is this global sum; the
+    harness aggregates the gathered minibatch). The step grows with the batch's token count."""
+    return loss.sum()
+
+
 @register(AGGREGATIONS, "seq-mean-token-mean")
 def seq_mean_token_mean(loss: Tensor, den: Tensor) -> Tensor:
     """GRPO: mean over sequences of Σ_t ℓ / |y_i|."""
