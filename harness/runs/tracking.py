@@ -6,7 +6,8 @@ one line when the run ends.
 Each step is also logged under the names verl, TRL, slime and prime-rl give the same quantities
 (ALIASES), so a ratiolab run can be plotted beside one of theirs. Only exact equivalents are
 aliased; where a framework's statistic differs (verl's chi2_token = E[ρ²] − 1 against ratiolab's
-E[(ρ − 1)²]; TRL's max of |log π_old − log μ| against our p99) there is no alias.
+E[(ρ − 1)²]; TRL's max of |log π_old − log μ| against our p99; NeMo-RL's is_oob_ratio, which
+counts clamped tokens, masked tokens or masked sequences by its truncation type) there is none.
 """
 
 from __future__ import annotations
