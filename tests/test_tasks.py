@@ -375,6 +375,11 @@ def test_word_problems_go_into_the_chat_template_when_the_tokenizer_has_one():
     (p,), (q,) = chat.sample(1, "train"), off.sample(1, "train")
     assert p.prompt == f"<user>{r.prompt}<assistant>" and q == r and p.answer == r.answer
     assert chat.key(p) == raw.key(r)  # the split is the same: by the arithmetic, not the prompt
+    # OPSD's teacher: the reference solution inside the user's turn, the template around it
+    from harness.tasks import teacher_prompt
+
+    assert teacher_prompt(p) == f"<user>Reference solution: {p.solution}\n{r.prompt}<assistant>"
+    assert teacher_prompt(r) == f"Reference solution: {r.solution}\n{r.prompt}"  # no template
 
 
 @pytest.mark.parametrize(

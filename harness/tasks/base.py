@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,7 +32,22 @@ TEACHER_PROMPT = "Reference solution: {solution}\n{prompt}"
 
 
 def teacher_prompt(problem: Problem, template: str = TEACHER_PROMPT) -> str:
-    return template.format(prompt=problem.prompt, solution=problem.solution)
+    """The teacher's privileged prompt; a prompt rendered as a chat template's user turn
+    (`in_chat`) keeps the template around the privileged text, so the reference solution sits
+    inside the user's turn, not before the template's first token."""
+    prefix, user, suffix = problem.info.get("chat", ("", problem.prompt, ""))
+    return prefix + template.format(prompt=user, solution=problem.solution) + suffix
+
+
+def in_chat(problem: Problem, render) -> Problem:
+    """`problem` with its prompt rendered by `render` (one user turn of a chat template), and the
+    text around the user's words kept in info["chat"] = (prefix, user text, suffix)."""
+    text = render(problem.prompt)
+    i = text.rfind(problem.prompt)
+    if i < 0:  # a template that rewrites the content: the teacher's text goes in front
+        return replace(problem, prompt=text)
+    chat = (text[:i], problem.prompt, text[i + len(problem.prompt) :])
+    return replace(problem, prompt=text, info={**problem.info, "chat": chat})
 
 
 def check_split(split: str) -> None:

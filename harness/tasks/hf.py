@@ -3,7 +3,6 @@ usual math RL datasets (GSM8K, MATH, DAPO), graded by math-verify."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.base.registry import register
-from harness.tasks.base import TASKS, Problem, Task, check_split, split_rng
+from harness.tasks.base import TASKS, Problem, Task, check_split, in_chat, split_rng
 from harness.tasks.graders import (
     GRADERS,
     extract_answer,
@@ -191,7 +190,7 @@ class DatasetTask(Task):
         while len(out) < n:
             out += rng.sample(pool, len(pool))
         if self.render is not None:
-            return [dataclasses.replace(p, prompt=self.render(p.prompt)) for p in out[:n]]
+            return [in_chat(p, self.render) for p in out[:n]]
         return out[:n]
 
     def attach_tokenizer(self, tokenizer) -> None:

@@ -3,11 +3,10 @@ chat template."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 from harness.base.registry import register
-from harness.tasks.base import TASKS, Problem, ProceduralTask
+from harness.tasks.base import TASKS, Problem, ProceduralTask, in_chat
 from harness.tasks.graders import math_verify_reward
 from harness.tasks.hf import DatasetTask
 
@@ -86,7 +85,7 @@ class WordProblemTask(ProceduralTask):
         out = super().sample(n, split, seed)
         if self.render is None:
             return out
-        return [dataclasses.replace(p, prompt=self.render(p.prompt)) for p in out]
+        return [in_chat(p, self.render) for p in out]
 
     def reward(self, problem: Problem, response: str) -> float:
         return math_verify_reward(problem.answer, response)
