@@ -247,19 +247,50 @@ def test_shared_prompt_prefix_trainer_forward_and_grad_equal_full_forward(tiny_l
     assert eng._prompt_groups(ro.tokens[::3], ro.attention_mask[::3], ro.n_prompt) is None
 
 
-def test_fast_paths_are_off_while_noise_is_attached(tiny_llama):
+def test_fast_paths_under_noise(tiny_llama):
+    """The lean decoder runs the plain model only; the shared prompt prefill runs under
+    row-local noise (keyed by each token's prefix, FP8 per row or tile) and not under noise
+    keyed by rows or the batch."""
     from harness.noise import build_noise
 
     model, tok = tiny_llama
-    eng = Engine(model, tok, noise=[build_noise("layer", sigma=1e-3)])
-    try:
-        assert not eng._can_share_prefix() and not eng._can_decode_lean()
-        ro = eng.generate(["ab", "cd"], n=2, max_new_tokens=3, seed=0)
-        assert eng._prompt_groups(ro.tokens, ro.attention_mask, ro.n_prompt) is None
-    finally:
-        eng.close()
+    for name, kw, share in [
+        ("layer", dict(sigma=1e-3), True),
+        ("fp8", dict(granularity="row", activations=True), True),
+        ("fp8", dict(activations=True), False),  # one activation scale for the whole batch
+        ("batch", dict(sigma=1e-3), False),
+        ("layer", dict(sigma=1e-3, deterministic=False), False),
+    ]:
+        eng = Engine(model, tok, noise=[build_noise(name, **kw)])
+        try:
+            assert eng._can_share_prefix() == share and not eng._can_decode_lean(), (name, kw)
+            ro = eng.generate(["ab", "cd"], n=2, max_new_tokens=3, seed=0)
+            groups = eng._prompt_groups(ro.tokens, ro.attention_mask, ro.n_prompt)
+            assert (groups is not None) == share, (name, kw)
+        finally:
+            eng.close()
     assert Engine(model, tok)._can_share_prefix() and Engine(model, tok)._can_decode_lean()
     assert not Engine(model, tok, kv_cache=False)._can_decode_lean()
+
+
+@pytest.mark.parametrize(
+    "name, kw",
+    [("fp8", dict(granularity="row", activations=True)), ("logit", dict(sigma=0.5))],
+)
+def test_shared_prompt_prefill_under_row_local_noise_equals_the_per_row_path(tiny_llama, name, kw):
+    from harness.noise import build_noise
+
+    model, tok = _sharpened(tiny_llama)
+    out = []
+    for share in (True, False):
+        eng = Engine(model, tok, noise=[build_noise(name, **kw)])
+        if not share:
+            eng._can_share_prefix = lambda: False
+        out.append(eng.generate(["12+3=", "hello wo", "x"], n=3, max_new_tokens=10, seed=4))
+        eng.close()
+    fast, slow = out
+    assert torch.equal(fast.response_ids, slow.response_ids)
+    assert (fast.logp_mu - slow.logp_mu).abs().max() <= 1e-5
 
 
 # --- lean decode loop: the model's own numbers, from a static KV cache ----------------------------

@@ -757,9 +757,9 @@ def test_position_noise_sigma_zero_is_bit_identical_and_sigma_scales_every_posit
         assert torch.equal(logits(model, x), ref)
     kw = dict(n=2, max_new_tokens=10, seed=3)
     plain = Engine(model, tok)
-    # the decode path an engine with noise attached takes (no lean decoder, no shared prompt
-    # prefix): those fast paths round differently with two threads
-    plain._can_decode_lean = plain._can_share_prefix = lambda: False
+    # the decode path an engine with row-local noise attached takes (the shared prompt prefill,
+    # no lean decoder): the lean decoder rounds differently with two threads
+    plain._can_decode_lean = lambda: False
     clean = plain.generate(["12+3=", "hello"], **kw)
     zero = Engine(model, tok, noise=[build_noise("position", sigma=0.0)])
     ro = zero.generate(["12+3=", "hello"], **kw)

@@ -416,9 +416,11 @@ class Engine(Sampler):
 
     def _can_share_prefix(self) -> bool:
         """Prompt sharing (one prefill per distinct prompt, KV cache repeated) computes the same
-        numbers as per-row prefill, but noise models may key on rows or batch shape (fresh
-        noise, `batch`, routing records/replay): with any attached, every row runs in full."""
-        return not self.noise
+        numbers as per-row prefill up to float rounding, and so does row-local noise (keyed by
+        each token's prefix, or FP8 scaled per row or tile: a shared prompt gets the same noise
+        in every row). Noise that keys on rows or the batch's shape (fresh noise, `batch`,
+        routing records and replay, per-tensor activation scales) makes every row run in full."""
+        return all(n.row_local for n in self.noise)
 
     def _can_prune(self) -> bool:
         """Finished rows may leave the decode batch when no attached noise model depends on
