@@ -186,6 +186,29 @@ def test_measure_tiny_perturb_ground_truth(tmp_path):
     assert set(amp.inject_at.astype(str)) == {"0", "embed"}
 
 
+def test_measure_moe_with_routing_replay(tmp_path):
+    """No replay, R3 (μ's routes) and R2 (the trainer's own at θ_b) through the calibration and
+    the live pass of a perturbed MoE. The truth check holds in each (α and β against the pristine
+    θ_b replaying the same routes). R3 removes most of the calibration's β; R2's calibration is
+    the no-replay one (at θ_b its own routes are what it chooses), and its live pass differs
+    (the perturbed policy is held to θ_b's routes)."""
+    tiny = [t for t in TINY if not t.startswith("model=")]
+    base = ["model=tiny-moe", "noise=routing", "noise.sigma=0.5", "live.mode=perturb"]
+    base.append("live.rel_sigma=0.05")
+    arms = {
+        "none": [],
+        "r3": ["engine.routing_replay=true"],
+        "r2": ["engine.routing_replay=true", "engine.routing_replay_source=trainer"],
+    }
+    out = {k: measure.run(_cfg(tmp_path / k, *tiny, *base, *v)) for k, v in arms.items()}
+    assert all(s["truth_max_abs_err"] < 1e-5 for s in out.values())
+    cal = {k: s["table7"]["cal"]["mean_abs_delta"] for k, s in out.items()}
+    live = {k: s["table7"]["live"]["mean_abs_delta"] for k, s in out.items()}
+    assert cal["r3"] < 0.5 * cal["none"]
+    assert cal["r2"] == pytest.approx(cal["none"], rel=1e-6)
+    assert live["r2"] != pytest.approx(live["none"], rel=1e-3)
+
+
 def test_measure_tiny_steps_moves_weights(tmp_path, monkeypatch):
     """α by k = 2 ppo_clip steps: with mixed rewards the trainer moves; the tiny random model never
     answers, so the reward is patched to alternate within each prompt group."""
