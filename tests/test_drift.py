@@ -199,6 +199,14 @@ def test_drift_on_the_upcycled_moe_routing_noise_r3_r2(tiny_run, tmp_path):
         assert r2[col].to_numpy() == pytest.approx(plain[col].to_numpy(), rel=1e-5, abs=1e-9)
     clean = rows("clean", "noise.sigma=0.0")  # no router noise: no flips, β at float rounding
     assert (clean["route_flips"] == 0).all() and clean["mean_abs_delta"].max() < 1e-4
+    import shutil
+
+    from analysis import beta_drift  # MoE series get a figure of their own, and parts rows
+
+    shutil.rmtree(tmp_path / "clean")  # no β to decompose
+    assert beta_drift.main(tmp_path) is None  # no dense series here
+    assert (tmp_path / "fig_beta_drift_moe.png").exists()
+    assert set(pd.read_csv(tmp_path / "parts.csv").series) == {"plain", "r3", "r2"}
 
 
 def test_the_figure_and_parts_table(tiny_run):
