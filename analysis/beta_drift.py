@@ -96,6 +96,8 @@ def plot(root: Path, folders: list[Path], parts: pd.DataFrame, name: str) -> Pat
         ax.axhline(1, color="k", lw=0.8)
         ax.set(yscale="log", xlabel="training step (checkpoint)", ylabel="dial / its step-0 value")
         title = f"{folder.name}: the dials at frozen weights\n({mu_label(run_config(folder))})"
+        ends = d["mean_abs_delta"].iloc[[0, -1]]
+        title += f"\nmean |Δ| {ends.iloc[0]:.4f} → {ends.iloc[1]:.4f}"
         if "route_flips" in d and d["route_flips"].notna().all():  # an MoE series
             flips = d["route_flips"].iloc[[0, -1]] * 100
             title += f"; route flips {flips.iloc[0]:.1f}% → {flips.iloc[1]:.1f}%"
