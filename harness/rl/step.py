@@ -89,6 +89,8 @@ def collect(
         advantages=adv[:, None].expand_as(ro.logp_mu) * ro.response_mask,
     )
     if own_routes:
+        if old_policy is None:
+            raise ValueError("own_routes (R2) needs the engine at π_old's weights: old_policy")
         ro = dataclasses.replace(ro, routing=old_policy.own_routes(ro))
     if old_policy is not None:
         batch = batch.with_old(old_policy.logp(ro, mask_replay=mask_replay), logp_old_source)

@@ -64,7 +64,8 @@ class EngineCfg:
     sampler_attention: str = "sdpa"  # sdpa | eager (`attention` difference)
     mask_replay: bool = True  # trainer replays the sampler's top-p/top-k support
     # MoE routing replay on the trainer's passes, of whose routes: sampler = μ's (R3, Ma et al.,
-    # arXiv 2510.11370); trainer = its own at π_old, recorded where π_old is scored (R2, GSPO)
+    # arXiv 2510.11370); trainer = its own, recorded at π_old's weights before π_old is scored
+    # (R2, GSPO; one extra forward without grad a step)
     routing_replay: bool = False
     routing_replay_source: str = "sampler"
     logp_old_source: str = "trainer"  # trainer (recompute at behaviour weights) | sampler (μ)
