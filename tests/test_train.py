@@ -453,6 +453,8 @@ def test_r2_replays_the_trainers_own_routes_at_pi_old_not_mus(tmp_path):
         seed=0,
     )
     _, ro_mu, _ = collect(*args, **kw)  # R3's routes: μ's, under routing noise
+    s.sampler.own_routes(ro_mu)  # leaves μ's record of sampled routes as it was (empty)
+    assert torch.equal(collect(*args, **kw)[1].routing, ro_mu.routing)
     batch, ro, _ = collect(*args, **kw, own_routes=True)
     own = s.policy.own_routes(ro)
     assert torch.equal(ro.routing[:, : own.shape[1]], own)

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.base.io import write_json_atomic, write_text_atomic
 from harness.base.models import upcycle_state, weights_sha
-from harness.noise import RoutingNoise, forward_context, position_ids, prefix_hash
+from harness.noise import forward_context, position_ids, prefix_hash
 from harness.noise.routing import find_routers
 from harness.rl.setup import (
     build_policy,
@@ -127,9 +127,6 @@ def route_flips(sampler: Engine, trainer: Engine, ro) -> float:
     except ValueError:  # a dense model
         return float("nan")
     mu = sampler.own_routes(ro)  # under μ's routing noise: the decode's routes, teacher-forced
-    for noise in sampler.noise:  # that forward also reached μ's routing record: drop it
-        if isinstance(noise, RoutingNoise):
-            noise.take_record()
     own = trainer.own_routes(ro)
     n = ro.n_prompt
     differ = (mu.sort(-1).values != own.sort(-1).values).any(-1)[:, n - 1 : -1]  # [B, T, L]

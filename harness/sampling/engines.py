@@ -563,16 +563,22 @@ class Engine(Sampler):
         response positions, one no-grad forward of all rows, every rank once when sharded):
         [B, S, n_moe_layers, k], what R2 replays. R2 (vanilla routing replay, Zheng et al., "Group
         Sequence Policy Optimization", arXiv 2507.18071; verl `router_replay.mode=R2`) records the
-        routes where the trainer scores π_old and forces them on π_θ's passes: the minibatch
-        updates move the gate weights but not which experts a token reaches. R3 replays μ's."""
-        recorder = RoutingNoise(
-            sigma=0.0
-        )  # σ = 0: records the routers' own choice, changes nothing
+        trainer's routes at π_old's weights and forces them on π_θ's passes: the minibatch
+        updates move the gate weights but not which experts a token reaches. R3 replays μ's.
+        Under this engine's own routing noise the routes are the noisy ones, and its record of
+        sampled routes is left as it was (this forward samples nothing)."""
+        # attached after any routing noise of the engine, so it sees the experts actually used;
+        # σ = 0: records the routers' choice and changes nothing
+        recorder = RoutingNoise(sigma=0.0)
+        noisy = self._noise_of(RoutingNoise)
         tokens, attn = ro.tokens, ro.attention_mask
         pos = position_ids(attn)
         with recorder.attached(self.model), forward_context(prefix_hash(tokens, attn), pos_BxS=pos):
             self.model(input_ids=tokens, attention_mask=attn, position_ids=pos, logits_to_keep=1)
-            return recorder.take_record()
+            routes = recorder.take_record()
+        if noisy is not None:  # the forward reached its record too; between rollouts it is empty
+            noisy.take_record()
+        return routes
 
     def passes(self, n: int) -> int:
         """The number of passes every rank runs when this one needs `n` (sharded: the most any
