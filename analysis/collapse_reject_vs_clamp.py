@@ -13,7 +13,7 @@ from analysis.runs import load_summary, results_root, smooth, without_aa
 
 EXP = "collapse_reject_vs_clamp"
 PANELS = [  # column, title, y label
-    ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
+    ("eval_acc", "Held-out accuracy", "accuracy (fixed held-out set)"),
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
     ("entropy_mean", "Policy entropy (5-step mean)", "entropy (nats/token)"),
     ("dial_out_of_band_frac", "Out-of-band ρ = π_old/μ ∉ [0.5, 2]", "fraction of tokens"),

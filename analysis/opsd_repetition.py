@@ -5,6 +5,8 @@ python -m analysis.opsd_repetition [--results DIR]   # reads results/<exp>/summa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from analysis.common import set_theme
 from analysis.panels import panel_row
 from analysis.runs import load_summary, results_root, smooth
@@ -19,20 +21,25 @@ PANELS = [  # column, title, y label
         "Exit-mass ratio R = Σ(1−q)/Σ(1−p) (< 1: student loops more)",
         "R at first-copy positions",
     ),
-    ("eval_acc", "Held-out accuracy", "accuracy (fixed 512-problem set)"),
+    ("eval_acc", "Held-out accuracy", "accuracy (fixed held-out set)"),
 ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    root = results_root(argv)
-    df = load_summary(root, EXP)
+def draw(root: Path, exp: str, title: str) -> None:
+    """The loop figure of `exp` (this experiment or smollm2_opsd_*: the same panels, each over
+    the arms its own preset declares)."""
+    df = load_summary(root, exp)
     df = df[df.complete]
     if "repetition_exit_mass_ratio" not in df:  # summaries made before it was collected
         df = df.assign(repetition_exit_mass_ratio=float("nan"))
     df = smooth(df, [c for c, *_ in PANELS[:4]])
     set_theme()
+    panel_row(df, PANELS, "distillation update", title, root, exp)
+
+
+def main(argv: list[str] | None = None) -> None:
     title = "OPSD, 3-digit arithmetic task model (teacher: initial model + reference solution)"
-    panel_row(df, PANELS, "distillation update", title, root, EXP)
+    draw(results_root(argv), EXP, title)
 
 
 if __name__ == "__main__":

@@ -406,3 +406,66 @@ def test_smollm2_figures_run_on_fixture(tmp_path):
     shape = pd.read_csv(tmp_path / "smollm2_clip_confirm" / "shape.csv")
     assert len(shape) == 2 * 3  # a row per run: 2 arms × 3 seeds
     assert not (tmp_path / "smollm2_surge_pilot").exists()  # no summary, no figure
+
+
+def _pilot_summary(root, exp, arms, steps=20, **cols):
+    """A one-seed summary.csv: each arm's run with the given per-step columns (a function of
+    the arm's index and the step) over the fake metrics."""
+    fake_summary(root, exp, [(o, a, 0.0, 0) for o, a in arms], steps=steps)
+    df = pd.read_csv(root / exp / "summary.csv")
+    df = df[df.seed == 0].copy()
+    index = df.arm.map({a: i for i, (_, a) in enumerate(arms)})
+    for col, fn in cols.items():
+        df[col] = fn(index, df.step)
+    df.to_csv(root / exp / "summary.csv", index=False)
+
+
+def test_smollm2_collapse_table_measures_escalation_and_collapse(tmp_path):
+    """analysis.smollm2_collapse on 40 steps: the reject arm's deleted mass 0.01·step escalates
+    at 1.0 per 100 steps with a last/first-quarter fold of 35.5/5.5 (means of steps 31–40 and
+    1–10); its reward 0.8 to step 25 and 0.1 after ends below half its best and stays: a
+    collapse; its entropy at 3× its start from step 15 is the guard's event. The clamp arm
+    (nothing deleted, reward 0.5 throughout) has neither."""
+    from analysis import smollm2_collapse
+
+    arms = [("band", "reject (band [0.5, 2])"), ("cispo", "clamp (CISPO [0.5, 2])")]
+    _pilot_summary(
+        tmp_path,
+        "smollm2_collapse_pilot",
+        arms,
+        steps=40,
+        mask_frac=lambda i, s: 0.01 * s * (i == 0),
+        entropy_mean=lambda i, s: 0.3 * (1 + 2 * ((s >= 15) & (i == 0))),
+        reward_mean=lambda i, s: np.where(i == 0, np.where(s <= 25, 0.8, 0.1), 0.5),
+    )
+    smollm2_collapse.main(["--results", str(tmp_path)])
+    table = pd.read_csv(tmp_path / "smollm2_collapse_pilot" / "events.csv").set_index("arm")
+    reject, clamp = table.loc[arms[0][1]], table.loc[arms[1][1]]
+    assert reject.mask_frac_slope_per_100 == pytest.approx(1.0)
+    assert reject.mask_frac_fold == pytest.approx(35.5 / 5.5, rel=1e-3)
+    assert clamp.mask_frac_slope_per_100 == pytest.approx(0.0, abs=1e-9)
+    assert bool(reject.entropy_guard) and not bool(clamp.entropy_guard)
+    assert bool(reject.collapse) and not clamp.collapse
+    assert (tmp_path / "smollm2_collapse_pilot" / "fig_smollm2_collapse_pilot.png").exists()
+
+
+def test_smollm2_opsd_table_reads_the_tail_loop_rate(tmp_path):
+    """analysis.smollm2_opsd: a clipped run whose terminal-loop rate is 0 to step 15 and 0.5
+    from step 16 (the last 20% of 20 steps: steps 17–20) loops at 0.5 there and 0 in its first
+    10 steps; the exact run never loops."""
+    from analysis import smollm2_opsd
+
+    arms = [("opsd_fkl", "clipped FKL (τ = 0.05)"), ("opsd_fkl", "exact FKL (τ = none)")]
+    _pilot_summary(
+        tmp_path,
+        "smollm2_opsd_pilot",
+        arms,
+        repetition_terminal_loop_rate=lambda i, s: 0.5 * ((s > 15) & (i == 0)),
+    )
+    smollm2_opsd.main(["--results", str(tmp_path)])
+    table = pd.read_csv(tmp_path / "smollm2_opsd_pilot" / "loops.csv").set_index("arm")
+    clipped, exact = table.loc[arms[0][1]], table.loc[arms[1][1]]
+    assert bool(clipped.loops) and clipped.terminal_loop_rate_tail == pytest.approx(0.5)
+    assert clipped.terminal_loop_rate_first10 == 0.0
+    assert not exact.loops and exact.terminal_loop_rate_tail == 0.0
+    assert (tmp_path / "smollm2_opsd_pilot" / "fig_smollm2_opsd_pilot.png").exists()
