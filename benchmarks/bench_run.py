@@ -1,11 +1,15 @@
-"""Whole-run wall time: the default 300-step countdown run, today's code vs an earlier revision.
+"""Whole-run wall time: the default 300-step countdown run (or any run: `--overrides`), today's
+code vs an earlier revision.
 
     python -m benchmarks.bench_run --before 328f94f --steps 300 --threads 1
+    python -m benchmarks.bench_run --before a8af88e --steps 6 --out results/bench/run_smollm2.json \
+        --overrides experiment=smollm2_clip_confirm seed=0      # the SmolLM2 FP8 step
 
-Both sides run `python -m harness.train task=countdown seed=<s>` (this venv; the earlier
+Both sides run `python -m harness.train <overrides> steps=<n> seed=<s>` (this venv; the earlier
 revision from a `git worktree` of it) at the same time, one thread each, so they see the same
-machine load; `--pairs` repeats that. Reports each side's wall time, their ratio, and whether
-every metric of every step is identical (time/step_s aside). Writes results/bench/run.json.
+machine load; `--pairs` repeats that. Reports each side's wall time, their ratio, the median
+rollout, update and step time of the steps after the first (the first evaluates), and whether
+every metric of every step is identical (timings aside). Writes results/bench/run.json.
 """
 
 from __future__ import annotations
@@ -19,23 +23,27 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.common import ROOT, command, write_json
 
+# eval_n=256, 24 tokens, no mechanism check: settings an earlier revision runs too (it may lack
+# the fixed 512-problem eval set, the task's own token budget, mechanism.json), so both sides do
+# the same work
+COUNTDOWN = ["task=countdown", "eval_n=256", "rollout.max_new_tokens=24", "++mechanism_batches=0"]
+TIMES = ("time/rollout_s", "time/update_s", "time/step_s")
 
-def start(cwd: Path, out: Path, steps: int, seed: int, threads: int) -> subprocess.Popen:
-    # eval_n=256, 24 tokens, no mechanism check: settings an earlier revision runs too (it may
-    # lack the fixed 512-problem eval set, the task's own token budget, mechanism.json), so both
-    # sides do the same work
+
+def start(
+    cwd: Path, out: Path, overrides: list[str], steps: int, seed: int, threads: int
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
         "harness.train",
-        "task=countdown",
+        *overrides,
         f"steps={steps}",
         f"seed={seed}",
-        "eval_n=256",
-        "rollout.max_new_tokens=24",
-        "++mechanism_batches=0",
         "progress=false",
         f"out={out}",
     ]
@@ -45,9 +53,21 @@ def start(cwd: Path, out: Path, steps: int, seed: int, threads: int) -> subproce
     )
 
 
+def rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def metrics(run: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "time/step_s"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows(run)]
+
+
+def step_times(run: Path) -> dict:
+    """The median of each of TIMES over the steps after the first (NaN where not logged)."""
+    later = rows(run)[1:]
+    return {
+        k: float(np.median([r[k] for r in later])) if later and k in later[0] else np.nan
+        for k in TIMES
+    }
 
 
 def same(a: list[dict], b: list[dict]) -> bool:
@@ -67,6 +87,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/bench/run.json")
+    ap.add_argument("--overrides", nargs="*", default=COUNTDOWN, help="the run's Hydra overrides")
     a = ap.parse_args()
     rev = subprocess.run(
         ["git", "rev-parse", "--short", a.before],
@@ -96,8 +117,8 @@ def main() -> None:
                 outs = {"before": Path(tmp) / f"{i}-before", "after": Path(tmp) / f"{i}-after"}
                 t0 = time.perf_counter()
                 procs = {
-                    "before": start(tree, outs["before"], a.steps, a.seed, a.threads),
-                    "after": start(ROOT, outs["after"], a.steps, a.seed, a.threads),
+                    k: start(cwd, outs[k], a.overrides, a.steps, a.seed, a.threads)
+                    for k, cwd in (("before", tree), ("after", ROOT))
                 }
                 wall = {}
                 while len(wall) < 2:
@@ -107,9 +128,11 @@ def main() -> None:
                                 raise SystemExit(f"{k} run failed:\n{p.stderr.read()[-3000:]}")
                             wall[k] = time.perf_counter() - t0
                     time.sleep(0.2)
+                times = {k: step_times(outs[k]) for k in outs}
                 row = {
                     **wall,
                     "ratio_after_over_before": wall["after"] / wall["before"],
+                    "step_medians": times,
                     "metrics_identical": same(metrics(outs["before"]), metrics(outs["after"])),
                 }
                 pairs.append(row)
@@ -119,6 +142,9 @@ def main() -> None:
                     f"metrics identical: {row['metrics_identical']}",
                     flush=True,
                 )
+                for k in TIMES:
+                    b, f = times["before"][k], times["after"][k]
+                    print(f"  median {k}: before {b:.2f} s, after {f:.2f} s, ratio {f / b:.3f}")
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
     report = {
@@ -130,8 +156,7 @@ def main() -> None:
             if subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode
             else ""
         ),
-        "run": f"python -m harness.train task=countdown steps={a.steps} seed={a.seed} eval_n=256 "
-        "rollout.max_new_tokens=24 ++mechanism_batches=0",
+        "run": f"python -m harness.train {' '.join(a.overrides)} steps={a.steps} seed={a.seed}",
         "threads": a.threads,
         "concurrent": True,
         "pairs": pairs,
