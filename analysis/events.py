@@ -16,6 +16,8 @@ in-kind endpoints) and the figures (each run's event marked on its trajectory).
   entropy_guard  the training loop's own entropy guard: some step's entropy > 2× the steps
                  1–10 mean (reported apart from `collapse`: the reward guard alone was
                  confounded by a task switch)
+  guard_or_collapse  either of the two: the run's entropy blew up or its reward collapsed
+                 (the SNR post §2's failure, which it describes by both)
   escalation     the slope of the deleted or clipped mass over training, per 100 steps, and
                  its last-quarter / first-quarter fold (the SNR post §2: the reject arm's
                  deleted mass grows several-fold while clamp's does not)
@@ -98,6 +100,16 @@ def collapse(run: pd.DataFrame, warmup: int = 20, factor: float = 0.5, window: i
     return True, float(r.index[above[-1] + 1] if len(above) else r.index[0])
 
 
+def guard_or_collapse(run: pd.DataFrame, warmup: int = 20, window: int = WINDOW):
+    """(event, first step): an entropy_guard or a collapse event, whichever came first."""
+    hits = [
+        at
+        for hit, at in (entropy_guard(run, window=window), collapse(run, warmup, window=window))
+        if hit
+    ]
+    return (True, float(min(hits))) if hits else (False, float("nan"))
+
+
 def escalation(run: pd.DataFrame, col: str) -> tuple[float, float]:
     """(slope of `col` per 100 steps by least squares, last-quarter mean / first-quarter mean)."""
     s = run.sort_values("step").dropna(subset=[col])
@@ -156,8 +168,17 @@ EVENTS = {
     "stall": stall,
     "collapse": collapse,
     "entropy_guard": entropy_guard,
+    "guard_or_collapse": guard_or_collapse,
     "loops": loops,
 }
+NEEDS = {  # the summary columns each event reads (entropy_mean where not listed)
+    "stall": ["reward_mean"],
+    "collapse": ["reward_mean"],
+    "healthy_surge": ["entropy_mean", "reward_mean"],
+    "guard_or_collapse": ["entropy_mean", "reward_mean"],
+    "loops": ["repetition_terminal_loop_rate"],
+}
+WARMUP = ("collapse", "guard_or_collapse")  # events that take the warm-up
 
 
 def run_events(df: pd.DataFrame, warmup: int = 20) -> pd.DataFrame:
@@ -168,16 +189,10 @@ def run_events(df: pd.DataFrame, warmup: int = 20) -> pd.DataFrame:
         row = {"run": run, "arm": g.arm.iloc[0], "seed": g.seed.iloc[0]}
         row["complete"] = bool(g.complete.iloc[0]) if "complete" in g else True
         for name, fn in EVENTS.items():
-            needs = "repetition_terminal_loop_rate" if name == "loops" else None
-            needs = (
-                [needs] if needs else ["reward_mean"] if name == "collapse" else ["entropy_mean"]
-            )
-            needs = ["reward_mean"] if name == "stall" else needs
-            needs += ["reward_mean"] if name == "healthy_surge" else []
-            if any(n not in g or g[n].isna().all() for n in needs):
+            if any(n not in g or g[n].isna().all() for n in NEEDS.get(name, ["entropy_mean"])):
                 row[name], row[f"{name}_at"] = np.nan, np.nan
                 continue
-            event, at = fn(g, warmup=warmup) if name == "collapse" else fn(g)
+            event, at = fn(g, warmup=warmup) if name in WARMUP else fn(g)
             row[name], row[f"{name}_at"] = float(event), at
         rows.append(row)
     return pd.DataFrame(rows, columns=None if rows else ["run", "arm", "seed", "complete"])

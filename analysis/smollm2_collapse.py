@@ -1,6 +1,7 @@
 """Figure and per-run events: reject vs clamp (the SNR post §2, seed 001) on SmolLM2-135M-Instruct
-with the FP8 block W8A8 sampler: the pilot (experiment=smollm2_collapse_pilot, one seed), each
-experiment where its summary.csv exists.
+with the FP8 block W8A8 sampler: the pilot (experiment=smollm2_collapse_pilot, one seed) and the
+confirmatory sweep (experiment=smollm2_collapse_confirm, seeds 710–713), each where its
+summary.csv exists.
 
 python -m analysis.smollm2_collapse [--results DIR]   # reads results/<experiment>/summary.csv
 
@@ -15,12 +16,13 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis.collapse_reject_vs_clamp import draw
-from analysis.events import collapse, entropy_guard, escalation, margins
+from analysis.events import collapse, entropy_guard, escalation, guard_or_collapse, margins
 from analysis.runs import load_summary, results_root
 from harness.base.io import write_text_atomic
 
 EXPERIMENTS = {  # experiment -> what its title says it is
     "smollm2_collapse_pilot": "PILOT, one seed",
+    "smollm2_collapse_confirm": "CONFIRMATORY, seeds 710–713",
 }
 
 
@@ -36,6 +38,7 @@ def events(df: pd.DataFrame) -> pd.DataFrame:
             "complete": bool(g.complete.iloc[0]),
             "collapse": collapse(g)[0],
             "entropy_guard": entropy_guard(g)[0],
+            "guard_or_collapse": guard_or_collapse(g)[0],
             **margins(g),
             "eval_first": evals.eval_acc.iloc[0] if len(evals) else float("nan"),
             "eval_last": evals.eval_acc.iloc[-1] if len(evals) else float("nan"),

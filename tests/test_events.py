@@ -8,6 +8,7 @@ from analysis.events import (
     collapse,
     entropy_guard,
     escalation,
+    guard_or_collapse,
     healthy_rise,
     healthy_surge,
     loops,
@@ -72,6 +73,24 @@ def test_collapse_needs_the_fall_to_last_until_the_end():
     assert collapse(_run(reward_mean=back), warmup=20)[0] is False
     early = [0.4] * 5 + [0.1] * 55  # the best 10-step mean after step 20 is 0.1
     assert collapse(_run(reward_mean=early), warmup=20)[0] is False
+
+
+def test_guard_or_collapse_is_the_earlier_of_the_two_by_hand():
+    """The collapse test's reward (collapse at step 47) with a flat entropy: the event at 47;
+    with an entropy spike at step 30 as well (the guard fires there): at 30; a spike alone: at
+    the spike; neither: no event. Through run_events, with the warm-up the prereg passes."""
+    r = [0.4] * 40 + [0.1] * 20
+    flat = [1.0] * 60
+    spike = [1.0] * 29 + [3.0] + [1.0] * 30
+    assert guard_or_collapse(_run(reward_mean=r, entropy_mean=flat)) == (True, 47.0)
+    assert guard_or_collapse(_run(reward_mean=r, entropy_mean=spike)) == (True, 30.0)
+    assert guard_or_collapse(_run(reward_mean=[0.4] * 60, entropy_mean=spike)) == (True, 30.0)
+    assert guard_or_collapse(_run(reward_mean=[0.4] * 60, entropy_mean=flat))[0] is False
+    df = _run(reward_mean=r, entropy_mean=flat).assign(run="a", arm="x", seed=0)
+    assert run_events(df).loc[0, ["guard_or_collapse", "guard_or_collapse_at"]].tolist() == [
+        1.0,
+        47.0,
+    ]
 
 
 def test_escalation_slope_and_fold_by_hand():

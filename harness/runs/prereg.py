@@ -12,7 +12,7 @@
           reduce: final_any | window_mean | last_evals | event | slope
           window: [first, last]   # window_mean: steps averaged per run
           n: 3                    # last_evals: how many of the last evaluations
-          event: surge            # event: surge | collapse | entropy_guard | loops (the run's
+          event: surge            # event: one of EVENTS below (the run's
                                   # phenomenon, analysis.events; Fisher's test on the counts)
           warmup: 20              # event collapse: steps before the best reward counts
           test: paired_t | tost | fisher
@@ -34,7 +34,15 @@ from typing import Any
 
 REDUCES = ("final_any", "window_mean", "last_evals", "event", "slope")
 # the in-kind events of analysis.events: did the phenomenon itself happen in a run
-EVENTS = ("surge", "healthy_surge", "stall", "collapse", "entropy_guard", "loops")
+EVENTS = (
+    "surge",
+    "healthy_surge",
+    "stall",
+    "collapse",
+    "entropy_guard",
+    "guard_or_collapse",
+    "loops",
+)
 TESTS = ("paired_t", "tost", "fisher")
 PREDICTED = ("greater", "less")
 
