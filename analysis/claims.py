@@ -52,6 +52,7 @@ EXPERIMENTS = [
     "nsr_confirm",
     "collapse_confirm",
     "smollm2_clip_confirm",
+    "smollm2_collapse_confirm",
 ]
 ALPHA = 0.05
 

@@ -58,6 +58,8 @@ PREREG = {
         ("surge_confirm", 8),
         ("nsr_confirm", 10),
         ("collapse_confirm", 10),
+        ("smollm2_clip_confirm", 6),
+        ("smollm2_collapse_confirm", 4),
     ],
 )
 def test_the_presets_preregistrations_validate_and_their_sweeps_cover_the_planned_seeds(exp, least):

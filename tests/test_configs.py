@@ -101,6 +101,7 @@ def test_every_preset_exists():
         "smollm2_surge_pilot",
         "smollm2_clip_confirm",
         "smollm2_collapse_pilot",
+        "smollm2_collapse_confirm",
         "smollm2_opsd_pilot",
     }
     for name in PRESETS:
