@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from harness.base.io import write_text_atomic
 from harness.rl.checkpoint import effective, flatten
 
 # metrics.jsonl keys kept in summary.csv ('/' → '_')
@@ -389,6 +390,32 @@ def load_summary(root: Path, exp: str) -> pd.DataFrame:
         warnings.warn(f"{path}: {problem}", stacklevel=2)
         print(f"WARNING {path}: {problem}", file=sys.stderr, flush=True)
     return df
+
+
+def summaries(root: Path, experiments: dict[str, str]):
+    """(experiment, its label, its summary) for each of `experiments` (experiment → label) whose
+    summary.csv exists under root: a figure script's pilot and confirmatory sweep, each once
+    it has run."""
+    for exp, label in experiments.items():
+        if (Path(root) / exp / "summary.csv").exists():
+            yield exp, label, load_summary(root, exp)
+
+
+def run_head(run: pd.DataFrame) -> dict:
+    """The first columns of a per-run table: one run's arm, seed, last step and completeness."""
+    return {
+        "arm": run.arm.iloc[0],
+        "seed": run.seed.iloc[0],
+        "last_step": int(run.step.max()),
+        "complete": bool(run.complete.iloc[0]),
+    }
+
+
+def write_run_table(root: Path, exp: str, name: str, table: pd.DataFrame) -> None:
+    """A per-run table (events, shape) written beside the experiment's summary, and printed."""
+    text = table.to_csv(index=False, float_format="%.4g")
+    write_text_atomic(Path(root) / exp / name, text)
+    print(table.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
 
 
 def weights_problems(df: pd.DataFrame) -> list[str]:

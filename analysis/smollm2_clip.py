@@ -19,8 +19,7 @@ import pandas as pd
 from analysis.common import set_theme
 from analysis.events import WINDOW, healthy_rise, healthy_surge, running_mean, stall, surge
 from analysis.panels import panel_row
-from analysis.runs import load_summary, results_root, smooth
-from harness.base.io import write_text_atomic
+from analysis.runs import results_root, run_head, smooth, summaries, write_run_table
 
 EXPERIMENTS = {  # experiment -> what its title says it is
     "smollm2_surge_pilot": "PILOT, one seed",
@@ -45,10 +44,7 @@ def shape(df: pd.DataFrame) -> pd.DataFrame:
         h_event, h_at = healthy_surge(g)
         rows.append(
             {
-                "arm": g.arm.iloc[0],
-                "seed": g.seed.iloc[0],
-                "last_step": int(g.step.max()),
-                "complete": bool(g.complete.iloc[0]),
+                **run_head(g),
                 "healthy_rise": healthy_rise(g),
                 "healthy_peak_step": float(r.idxmax()) if r.notna().any() else float("nan"),
                 "surge": s_event,
@@ -68,13 +64,8 @@ def shape(df: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
-    for exp, what in EXPERIMENTS.items():
-        if not (root / exp / "summary.csv").exists():
-            continue
-        raw = load_summary(root, exp)
-        table = shape(raw)
-        write_text_atomic(root / exp / "shape.csv", table.to_csv(index=False, float_format="%.4g"))
-        print(table.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    for exp, what, raw in summaries(root, EXPERIMENTS):
+        write_run_table(root, exp, "shape.csv", shape(raw))
         df = smooth(raw, ["entropy_mean", "reward_mean", "response_len", "clip_frac_low"])
         set_theme()
         title = (

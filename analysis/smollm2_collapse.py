@@ -17,8 +17,7 @@ import pandas as pd
 
 from analysis.collapse_reject_vs_clamp import draw
 from analysis.events import collapse, entropy_guard, escalation, guard_or_collapse, margins
-from analysis.runs import load_summary, results_root
-from harness.base.io import write_text_atomic
+from analysis.runs import results_root, run_head, summaries, write_run_table
 
 EXPERIMENTS = {  # experiment -> what its title says it is
     "smollm2_collapse_pilot": "PILOT, one seed",
@@ -32,10 +31,7 @@ def events(df: pd.DataFrame) -> pd.DataFrame:
     for _, g in df.groupby("run", sort=True):
         evals = g.dropna(subset=["eval_acc"]).sort_values("step")
         row = {
-            "arm": g.arm.iloc[0],
-            "seed": g.seed.iloc[0],
-            "last_step": int(g.step.max()),
-            "complete": bool(g.complete.iloc[0]),
+            **run_head(g),
             "collapse": collapse(g)[0],
             "entropy_guard": entropy_guard(g)[0],
             "guard_or_collapse": guard_or_collapse(g)[0],
@@ -51,12 +47,8 @@ def events(df: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
-    for exp, what in EXPERIMENTS.items():
-        if not (root / exp / "summary.csv").exists():
-            continue
-        table = events(load_summary(root, exp))
-        write_text_atomic(root / exp / "events.csv", table.to_csv(index=False, float_format="%.4g"))
-        print(table.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    for exp, what, raw in summaries(root, EXPERIMENTS):
+        write_run_table(root, exp, "events.csv", events(raw))
         title = (
             "SmolLM2-135M-Instruct, FP8 block W8A8 E4M3 μ, folded ratio π_θ/μ, band [0.5, 2], "
             f"2 minibatches, lr 3e-6, word problems ({what})"

@@ -16,8 +16,7 @@ import pandas as pd
 
 from analysis.events import WINDOW, loops, tail_mean
 from analysis.opsd_repetition import draw
-from analysis.runs import load_summary, results_root
-from harness.base.io import write_text_atomic
+from analysis.runs import results_root, run_head, summaries, write_run_table
 
 EXPERIMENTS = {  # experiment -> what its title says it is
     "smollm2_opsd_pilot": "PILOT, one seed",
@@ -31,10 +30,7 @@ def loop_table(df: pd.DataFrame) -> pd.DataFrame:
         event, rate = loops(g)
         rows.append(
             {
-                "arm": g.arm.iloc[0],
-                "seed": g.seed.iloc[0],
-                "last_step": int(g.step.max()),
-                "complete": bool(g.complete.iloc[0]),
+                **run_head(g),
                 "loops": event,
                 "terminal_loop_rate_tail": rate,
                 "terminal_loop_rate_first10": g[
@@ -50,12 +46,8 @@ def loop_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
-    for exp, what in EXPERIMENTS.items():
-        if not (root / exp / "summary.csv").exists():
-            continue
-        table = loop_table(load_summary(root, exp))
-        write_text_atomic(root / exp / "loops.csv", table.to_csv(index=False, float_format="%.4g"))
-        print(table.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    for exp, what, raw in summaries(root, EXPERIMENTS):
+        write_run_table(root, exp, "loops.csv", loop_table(raw))
         title = (
             "OPSD on SmolLM2-135M-Instruct (teacher: the initial model + reference solution), "
             f"T = 1.1, top-128, 128 tokens, word problems ({what})"
