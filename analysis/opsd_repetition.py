@@ -25,16 +25,17 @@ PANELS = [  # column, title, y label
 ]
 
 
-def draw(root: Path, exp: str, title: str) -> None:
-    """The loop figure of `exp` (this experiment or smollm2_opsd_*: the same panels, each over
-    the arms its own preset declares)."""
+def draw(root: Path, exp: str, title: str, panels: list[tuple] = PANELS) -> None:
+    """The loop figure of `exp` (this experiment or smollm2_opsd_*), each panel over the arms
+    its own preset declares; every panel but held-out accuracy smoothed."""
     df = load_summary(root, exp)
     df = df[df.complete]
-    if "repetition_exit_mass_ratio" not in df:  # summaries made before it was collected
-        df = df.assign(repetition_exit_mass_ratio=float("nan"))
-    df = smooth(df, [c for c, *_ in PANELS[:4]])
+    for col, *_ in panels:  # summaries made before a column was collected
+        if col not in df:
+            df = df.assign(**{col: float("nan")})
+    df = smooth(df, [c for c, *_ in panels if c != "eval_acc"])
     set_theme()
-    panel_row(df, PANELS, "distillation update", title, root, exp)
+    panel_row(df, panels, "distillation update", title, root, exp)
 
 
 def main(argv: list[str] | None = None) -> None:

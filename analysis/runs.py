@@ -53,6 +53,10 @@ METRICS = [
     "repetition/copy_entropy",
     "repetition/noncopy_entropy",
     "repetition/copy_frac",
+    # OPSD: the exact forward KL on S_t whatever the objective (under the clipped one it can rise
+    # while the clipped loss falls: Prop. 1's reversal), and the teacher mass on clipped entries
+    "opsd/fkl",
+    "opsd/clipped_mass",
 ]
 
 

@@ -7,11 +7,14 @@ python -m analysis.smollm2_opsd [--results DIR]   # reads results/<experiment>/s
 Besides the figure it writes loops.csv: for every run (complete or not) the loop event and the
 terminal-loop rate over the last 20% of its steps (analysis.events.loops), the exit-mass ratio
 at first-copy positions and the response length over the same tail, and the first 10 steps'
-loop rate beside it (where the run started).
+loop rate beside it (where the run started); and the exact forward KL on S_t and the student's
+entropy over the first 10 steps and the tail (the clipped objective can lower its own loss
+while the exact KL rises: OPSD Prop. 1).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from analysis.events import WINDOW, loops, tail_mean
@@ -23,24 +26,33 @@ EXPERIMENTS = {  # experiment -> what its title says it is
 }
 
 
+PANELS = [  # column, title, y label
+    ("repetition_terminal_loop_rate", "Terminal-loop rate (5-step mean)", "fraction of responses"),
+    ("entropy_mean", "Student entropy (5-step mean)", "entropy (nats/token)"),
+    ("opsd_fkl", "Exact forward KL on S_t (5-step mean)", "Σ p log(p/q), mean per token"),
+    ("opsd_clipped_mass", "Teacher mass on clipped entries (d_i > τ)", "Σ p over clipped i"),
+    ("response_len", "Response length (5-step mean)", "tokens"),
+]
+
+
 def loop_table(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: how far it got, its loops at the start and over the tail."""
+    """One row per run: how far it got, its loop event, and each column's mean over its first
+    10 steps and over the last 20% of its steps (NaN where the summary lacks the column)."""
     rows = []
     for _, g in df.groupby("run", sort=True):
-        event, rate = loops(g)
-        rows.append(
-            {
-                **run_head(g),
-                "loops": event,
-                "terminal_loop_rate_tail": rate,
-                "terminal_loop_rate_first10": g[
-                    g.step <= WINDOW
-                ].repetition_terminal_loop_rate.mean(),
-                "repetition_rate_tail": tail_mean(g, "repetition_rate"),
-                "exit_mass_ratio_tail": tail_mean(g, "repetition_exit_mass_ratio"),
-                "response_len_tail": tail_mean(g, "response_len"),
-            }
-        )
+        row = {**run_head(g), "loops": loops(g)[0]}
+        for col in ("repetition_terminal_loop_rate", "opsd_fkl", "entropy_mean"):
+            row[f"{col}_first10"] = g[g.step <= WINDOW][col].mean() if col in g else np.nan
+        for col in (
+            "repetition_terminal_loop_rate",
+            "opsd_fkl",
+            "entropy_mean",
+            "repetition_rate",
+            "repetition_exit_mass_ratio",
+            "response_len",
+        ):
+            row[f"{col}_tail"] = tail_mean(g, col) if col in g else np.nan
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -52,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             "OPSD on SmolLM2-135M-Instruct (teacher: the initial model + reference solution), "
             f"T = 1.1, top-128, 128 tokens, word problems ({what})"
         )
-        draw(root, exp, title)
+        draw(root, exp, title, PANELS)
 
 
 if __name__ == "__main__":

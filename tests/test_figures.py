@@ -452,7 +452,8 @@ def test_smollm2_collapse_table_measures_escalation_and_collapse(tmp_path):
 def test_smollm2_opsd_table_reads_the_tail_loop_rate(tmp_path):
     """analysis.smollm2_opsd: a clipped run whose terminal-loop rate is 0 to step 15 and 0.5
     from step 16 (the last 20% of 20 steps: steps 17–20) loops at 0.5 there and 0 in its first
-    10 steps; the exact run never loops."""
+    10 steps, and its exact KL 0.05 to step 10 and 0.1 after reads 0.05 first and 0.1 in the
+    tail; the exact run never loops and its KL stays at 0.05."""
     from analysis import smollm2_opsd
 
     arms = [("opsd_fkl", "clipped FKL (τ = 0.05)"), ("opsd_fkl", "exact FKL (τ = none)")]
@@ -461,11 +462,14 @@ def test_smollm2_opsd_table_reads_the_tail_loop_rate(tmp_path):
         "smollm2_opsd_pilot",
         arms,
         repetition_terminal_loop_rate=lambda i, s: 0.5 * ((s > 15) & (i == 0)),
+        opsd_fkl=lambda i, s: np.where((s > 10) & (i == 0), 0.1, 0.05),
     )
     smollm2_opsd.main(["--results", str(tmp_path)])
     table = pd.read_csv(tmp_path / "smollm2_opsd_pilot" / "loops.csv").set_index("arm")
     clipped, exact = table.loc[arms[0][1]], table.loc[arms[1][1]]
-    assert bool(clipped.loops) and clipped.terminal_loop_rate_tail == pytest.approx(0.5)
-    assert clipped.terminal_loop_rate_first10 == 0.0
-    assert not exact.loops and exact.terminal_loop_rate_tail == 0.0
+    assert bool(clipped.loops) and clipped.repetition_terminal_loop_rate_tail == pytest.approx(0.5)
+    assert clipped.repetition_terminal_loop_rate_first10 == 0.0
+    assert not exact.loops and exact.repetition_terminal_loop_rate_tail == 0.0
+    assert (clipped.opsd_fkl_first10, clipped.opsd_fkl_tail) == (0.05, 0.1)  # the KL rose
+    assert (exact.opsd_fkl_first10, exact.opsd_fkl_tail) == (0.05, 0.05)
     assert (tmp_path / "smollm2_opsd_pilot" / "fig_smollm2_opsd_pilot.png").exists()
