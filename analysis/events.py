@@ -23,6 +23,9 @@ in-kind endpoints) and the figures (each run's event marked on its trajectory).
                  deleted mass grows several-fold while clamp's does not)
   loops          the terminal-loop rate over the last 20% of steps (OPSD §4); an event when
                  any response there ends in a loop
+  kl_reversal    the exact forward KL on S_t over the last 20% of steps is ≥ 1.25× its steps
+                 1–10 mean: distillation moved the student away from its teacher (OPSD Prop. 1:
+                 the clipped objective can lower its own loss while the exact KL rises)
   margins        how close a run came to the surge and collapse thresholds (for nulls)
 """
 
@@ -135,6 +138,16 @@ def loops(run: pd.DataFrame, tail: float = 0.2) -> tuple[bool, float]:
     return rate > 0, rate
 
 
+KL_RISE = 1.25  # kl_reversal's factor, chosen on the smollm2_opsd_pilot seed (clipped 1.7×)
+
+
+def kl_reversal(run: pd.DataFrame, factor: float = KL_RISE, tail: float = 0.2):
+    """(event, ratio): the tail mean of opsd_fkl over its steps 1–10 mean; an event at ≥ factor."""
+    first = run[run.step <= WINDOW].opsd_fkl.mean()
+    ratio = tail_mean(run, "opsd_fkl", tail) / first if first > 0 else float("nan")
+    return bool(ratio >= factor), ratio
+
+
 def margins(run: pd.DataFrame, warmup: int = 20, window: int = WINDOW) -> dict:
     """How close a run came to each event, as the ratio its threshold is stated in (for a null:
     the dose-response of a phenomenon that did not happen):
@@ -170,6 +183,7 @@ EVENTS = {
     "entropy_guard": entropy_guard,
     "guard_or_collapse": guard_or_collapse,
     "loops": loops,
+    "kl_reversal": kl_reversal,
 }
 NEEDS = {  # the summary columns each event reads (entropy_mean where not listed)
     "stall": ["reward_mean"],
@@ -177,6 +191,7 @@ NEEDS = {  # the summary columns each event reads (entropy_mean where not listed
     "healthy_surge": ["entropy_mean", "reward_mean"],
     "guard_or_collapse": ["entropy_mean", "reward_mean"],
     "loops": ["repetition_terminal_loop_rate"],
+    "kl_reversal": ["opsd_fkl"],
 }
 WARMUP = ("collapse", "guard_or_collapse")  # events that take the warm-up
 

@@ -11,6 +11,7 @@ from analysis.events import (
     guard_or_collapse,
     healthy_rise,
     healthy_surge,
+    kl_reversal,
     loops,
     margins,
     run_events,
@@ -91,6 +92,19 @@ def test_guard_or_collapse_is_the_earlier_of_the_two_by_hand():
         1.0,
         47.0,
     ]
+
+
+def test_kl_reversal_compares_the_tail_with_the_first_ten_steps_by_hand():
+    """opsd_fkl 0.04 for steps 1–10, then 0.06 to step 40, then 0.08 for steps 41–50: the last
+    20% (steps 41–50) over the first 10 is 0.08/0.04 = 2 ≥ 1.25, an event; 0.045 there is
+    1.125, none; a falling KL (0.03) none. Through run_events, the column's absence gives NaN."""
+    rising = [0.04] * 10 + [0.06] * 30 + [0.08] * 10
+    assert kl_reversal(_run(opsd_fkl=rising)) == (True, pytest.approx(2.0))
+    assert kl_reversal(_run(opsd_fkl=[0.04] * 40 + [0.045] * 10)) == (False, pytest.approx(1.125))
+    assert kl_reversal(_run(opsd_fkl=[0.04] * 40 + [0.03] * 10))[0] is False
+    df = _run(opsd_fkl=rising).assign(run="a", arm="x", seed=0)
+    assert run_events(df).loc[0, "kl_reversal"] == 1.0
+    assert np.isnan(run_events(df.drop(columns="opsd_fkl")).loc[0, "kl_reversal"])
 
 
 def test_escalation_slope_and_fold_by_hand():

@@ -42,6 +42,7 @@ EVENTS = (
     "entropy_guard",
     "guard_or_collapse",
     "loops",
+    "kl_reversal",
 )
 TESTS = ("paired_t", "tost", "fisher")
 PREDICTED = ("greater", "less")
