@@ -1,5 +1,6 @@
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -704,6 +705,25 @@ def test_resume_override_applies_the_new_learning_rate_and_records_it(tmp_path):
     assert [g["lr"] for g in state["optim"]["param_groups"]] == [1e-4]
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["config_overrides"] == [{"from_step": 3, "changed": {"optim.lr": [1e-3, 1e-4]}}]
+
+
+def test_a_finished_run_whose_checkpoints_were_removed_is_refused_not_restarted(tmp_path):
+    """A finished run's checkpoints removed to free disk: rerunning its folder would start
+    afresh and erase its log, so it is refused before any compute, and the log is untouched.
+    A run killed before it finished (no last step in meta.json) with no checkpoint starts over."""
+    from harness.base.io import RefusedRerun
+
+    train.run(_cfg(tmp_path, "steps=3"))  # checkpoint_every 50: the last step writes the one
+    log = (tmp_path / "metrics.jsonl").read_text()
+    shutil.rmtree(tmp_path / "checkpoints")
+    with pytest.raises(RefusedRerun, match=r"finished run \(to step 3\) with no checkpoint"):
+        train.run(_cfg(tmp_path, "steps=3"))
+    assert (tmp_path / "metrics.jsonl").read_text() == log
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["last_step"]  # as a run killed during its first checkpoint's write leaves it
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    train.run(_cfg(tmp_path, "steps=3"))
+    assert len(_metrics(tmp_path)) == 3
 
 
 def test_resume_after_a_nonfinite_abort_starts_from_the_last_good_checkpoint(

@@ -231,6 +231,21 @@ def load_checkpoint(path: Path) -> dict:
         ) from e
 
 
+def refuse_lost_log(run_dir: Path) -> None:
+    """A finished run (meta.json records its last step, written after its final checkpoint)
+    with no checkpoint left, e.g. removed to free disk: a rerun would start afresh and erase its
+    log, so refuse it before any compute. A run that died mid-write never recorded a last step
+    and resumes or restarts as before."""
+    meta = run_dir / "meta.json"
+    last = json.loads(meta.read_text()).get("last_step") if meta.exists() else None
+    if last is not None and not checkpoints(run_dir):
+        raise RefusedRerun(
+            f"{run_dir} holds a finished run (to step {last}) with no checkpoint left to resume "
+            "from (were they removed?); starting afresh would erase its metrics.jsonl. To rerun "
+            "it, move the folder aside or pass another out=; its summary, if made, is unaffected."
+        )
+
+
 def resume(s: Setup, run_dir: Path, metrics_path: Path, cfg: DictConfig) -> tuple[int, dict]:
     """(first step, guard state): from the newest checkpoint that loads (a damaged one is named
     in a warning and skipped), else a fresh start. The config's optimizer settings are applied
@@ -280,7 +295,9 @@ RESUME_FREE = {"steps", "progress", "out", "resume", "arms", "logger", "log_ever
 
 def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
     """The run directory's config.yaml is the contract: the keys a rerun changes, {key: [old,
-    new]}; raises before any compute when some differ and `resume` is not "override"."""
+    new]}; raises before any compute when some differ and `resume` is not "override", or when
+    the folder's log outlived its checkpoints (`refuse_lost_log`)."""
+    refuse_lost_log(run_dir)
     path = run_dir / "config.yaml"
     if not path.exists() or not checkpoints(run_dir):
         return {}
