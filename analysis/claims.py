@@ -53,6 +53,7 @@ EXPERIMENTS = [
     "collapse_confirm",
     "smollm2_clip_confirm",
     "smollm2_collapse_confirm",
+    "smollm2_opsd_confirm",
 ]
 ALPHA = 0.05
 

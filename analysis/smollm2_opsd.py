@@ -1,6 +1,7 @@
 """Figure and per-run loops: clipped vs exact forward KL in on-policy self-distillation (OPSD §4,
-seed 003) on SmolLM2-135M-Instruct: the pilot (experiment=smollm2_opsd_pilot, one seed), each
-experiment where its summary.csv exists.
+seed 003) on SmolLM2-135M-Instruct: the pilot (experiment=smollm2_opsd_pilot, one seed) and the
+confirmatory sweep (experiment=smollm2_opsd_confirm, seeds 810–813), each where its summary.csv
+exists.
 
 python -m analysis.smollm2_opsd [--results DIR]   # reads results/<experiment>/summary.csv
 
@@ -23,6 +24,7 @@ from analysis.runs import results_root, run_head, summaries, write_run_table
 
 EXPERIMENTS = {  # experiment -> what its title says it is
     "smollm2_opsd_pilot": "PILOT, one seed",
+    "smollm2_opsd_confirm": "CONFIRMATORY, seeds 810–813",
 }
 
 

@@ -60,6 +60,7 @@ PREREG = {
         ("collapse_confirm", 10),
         ("smollm2_clip_confirm", 6),
         ("smollm2_collapse_confirm", 4),
+        ("smollm2_opsd_confirm", 4),
     ],
 )
 def test_the_presets_preregistrations_validate_and_their_sweeps_cover_the_planned_seeds(exp, least):

@@ -103,6 +103,7 @@ def test_every_preset_exists():
         "smollm2_collapse_pilot",
         "smollm2_collapse_confirm",
         "smollm2_opsd_pilot",
+        "smollm2_opsd_confirm",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
