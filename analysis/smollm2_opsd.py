@@ -62,10 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
     for exp, what, raw in summaries(root, EXPERIMENTS):
         write_run_table(root, exp, "loops.csv", loop_table(raw))
-        title = (
-            "OPSD on SmolLM2-135M-Instruct (teacher: the initial model + reference solution), "
-            f"T = 1.1, top-128, 128 tokens, word problems ({what})"
-        )
+        title = f"OPSD, SmolLM2-135M-Instruct, teacher + solution, T 1.1, top-128 ({what})"
         draw(root, exp, title, PANELS)
 
 
