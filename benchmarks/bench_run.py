@@ -9,7 +9,8 @@ Both sides run `python -m harness.train <overrides> steps=<n> seed=<s>` (this ve
 revision from a `git worktree` of it) at the same time, one thread each, so they see the same
 machine load; `--pairs` repeats that. Reports each side's wall time, their ratio, the median
 rollout, update and step time of the steps after the first (the first evaluates), and whether
-every metric of every step is identical (timings aside). Writes results/bench/run.json.
+every metric of every step is identical (timings aside); where not, the first step and metric
+that differ. Writes results/bench/run.json.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from benchmarks.common import ROOT, command, write_json
+from benchmarks.common import ROOT, command, cpu, write_json
 
 # eval_n=256, 24 tokens, no mechanism check: settings an earlier revision runs too (it may lack
 # the fixed 512-problem eval set, the task's own token budget, mechanism.json), so both sides do
@@ -70,13 +72,18 @@ def step_times(run: Path) -> dict:
     }
 
 
-def same(a: list[dict], b: list[dict]) -> bool:
-    def eq(x, y):
-        return x == y or (x != x and y != y)  # NaN == NaN
-
-    return len(a) == len(b) and all(
-        r.keys() == q.keys() and all(eq(r[k], q[k]) for k in r) for r, q in zip(a, b)
-    )
+def first_difference(a: list[dict], b: list[dict]) -> dict | None:
+    """The first step (row) and metric where two runs' metrics differ, with both values; None
+    when every metric of every step is identical (NaN equals NaN). A metric one side lacks
+    counts as a difference (its value None)."""
+    if len(a) != len(b):
+        return {"row": min(len(a), len(b)), "key": "(rows)", "before": len(a), "after": len(b)}
+    for i, (r, q) in enumerate(zip(a, b)):
+        for k in sorted(r.keys() | q.keys()):
+            x, y = r.get(k), q.get(k)
+            if not (x == y or (x != x and y != y)):
+                return {"row": i, "key": k, "before": x, "after": y}
+    return None
 
 
 def main() -> None:
@@ -129,11 +136,13 @@ def main() -> None:
                             wall[k] = time.perf_counter() - t0
                     time.sleep(0.2)
                 times = {k: step_times(outs[k]) for k in outs}
+                diff = first_difference(metrics(outs["before"]), metrics(outs["after"]))
                 row = {
                     **wall,
                     "ratio_after_over_before": wall["after"] / wall["before"],
                     "step_medians": times,
-                    "metrics_identical": same(metrics(outs["before"]), metrics(outs["after"])),
+                    "metrics_identical": diff is None,
+                    "first_difference": diff,
                 }
                 pairs.append(row)
                 print(
@@ -142,6 +151,8 @@ def main() -> None:
                     f"metrics identical: {row['metrics_identical']}",
                     flush=True,
                 )
+                if diff is not None:
+                    print(f"  first difference: {diff}")
                 for k in TIMES:
                     b, f = times["before"][k], times["after"][k]
                     print(f"  median {k}: before {b:.2f} s, after {f:.2f} s, ratio {f / b:.3f}")
@@ -159,6 +170,8 @@ def main() -> None:
         "run": f"python -m harness.train {' '.join(a.overrides)} steps={a.steps} seed={a.seed}",
         "threads": a.threads,
         "concurrent": True,
+        "machine": {"cpu": cpu(), "nproc": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "versions": {"torch": torch.__version__},
         "pairs": pairs,
     }
     write_json(a.out, report)
