@@ -396,10 +396,10 @@ def load_summary(root: Path, exp: str) -> pd.DataFrame:
     return df
 
 
-def summaries(root: Path, experiments: dict[str, str]):
-    """(experiment, its label, its summary) for each of `experiments` (experiment → label) whose
-    summary.csv exists under root: a figure script's pilot and confirmatory sweep, each once
-    it has run."""
+def summaries(root: Path, experiments: dict):
+    """(experiment, its label, its summary) for each of `experiments` (experiment → label: any
+    value the figure script reads) whose summary.csv exists under root: a figure script's pilot
+    and confirmatory sweep, each once it has run."""
     for exp, label in experiments.items():
         if (Path(root) / exp / "summary.csv").exists():
             yield exp, label, load_summary(root, exp)

@@ -19,9 +19,11 @@ from analysis.collapse_reject_vs_clamp import draw
 from analysis.events import collapse, entropy_guard, escalation, guard_or_collapse, margins
 from analysis.runs import results_root, run_head, summaries, write_run_table
 
-EXPERIMENTS = {  # experiment -> what its title says it is
-    "smollm2_collapse_pilot": "PILOT, one seed",
-    "smollm2_collapse_confirm": "CONFIRMATORY, seeds 710–713",
+FP8 = "FP8 block W8A8 E4M3 μ"
+EXPERIMENTS = {  # experiment -> (its sampler μ, what it is), for its title
+    "smollm2_collapse_pilot": (FP8, "PILOT, one seed"),
+    "smollm2_collapse_confirm": (FP8, "CONFIRMATORY, seeds 710–713"),
+    "smollm2_collapse_dose_pilot": ("MXFP8 E4M3 W8A8 μ (FLOOR scales)", "PILOT, one seed"),
 }
 
 
@@ -47,10 +49,10 @@ def events(df: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
-    for exp, what, raw in summaries(root, EXPERIMENTS):
+    for exp, (mu, what), raw in summaries(root, EXPERIMENTS):
         write_run_table(root, exp, "events.csv", events(raw))
         title = (
-            "SmolLM2-135M-Instruct, FP8 block W8A8 E4M3 μ, folded ratio π_θ/μ, band [0.5, 2], "
+            f"SmolLM2-135M-Instruct, {mu}, folded ratio π_θ/μ, band [0.5, 2], "
             f"2 minibatches, lr 3e-6, word problems ({what})"
         )
         draw(root, exp, title)

@@ -102,6 +102,7 @@ def test_every_preset_exists():
         "smollm2_clip_confirm",
         "smollm2_collapse_pilot",
         "smollm2_collapse_confirm",
+        "smollm2_collapse_dose_pilot",
         "smollm2_opsd_pilot",
         "smollm2_opsd_confirm",
     }
