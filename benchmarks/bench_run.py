@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import ROOT, command, cpu, write_json
+from benchmarks.common import ROOT, command, machine, write_json
 
 # eval_n=256, 24 tokens, no mechanism check: settings an earlier revision runs too (it may lack
 # the fixed 512-problem eval set, the task's own token budget, mechanism.json), so both sides do
@@ -170,7 +170,7 @@ def main() -> None:
         "run": f"python -m harness.train {' '.join(a.overrides)} steps={a.steps} seed={a.seed}",
         "threads": a.threads,
         "concurrent": True,
-        "machine": {"cpu": cpu(), "nproc": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "machine": machine(),
         "versions": {"torch": torch.__version__},
         "pairs": pairs,
     }

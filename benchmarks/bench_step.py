@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -53,8 +52,8 @@ from benchmarks.common import (
     LR,
     TASK_MODELS,
     command,
-    cpu,
     load,
+    machine,
     parse_args,
     summary,
     write_json,
@@ -402,11 +401,7 @@ def main() -> None:
             "trl": __import__("trl").__version__,
             "transformers": __import__("transformers").__version__,
         },
-        "machine": {
-            "cpu": cpu(),
-            "nproc": os.cpu_count(),
-            "loadavg_end": os.getloadavg(),
-        },
+        "machine": machine(),
         "pairs": len(timed_rows),
         "trl_step_s": summary(trl_t),
         "trl_phases_median_s": {

@@ -58,6 +58,12 @@ def cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine() -> dict:
+    """The machine a side-by-side benchmark ran on: its CPU, core count and load at the end (a
+    ratio measured beside other work is still a ratio; its absolute times are not)."""
+    return {"cpu": cpu(), "nproc": os.cpu_count(), "loadavg_end": os.getloadavg()}
+
+
 def max_rss_mb() -> float:
     """This process's peak resident set so far, MB (getrusage's ru_maxrss: kB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
