@@ -3,6 +3,7 @@ its panel and the mechanism check as the caption."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +114,13 @@ def panel_row(
         elif df[col].max() == 0:  # a line on the axis is invisible: say it
             ax.text(0.5, 0.5, "0 in every run and step", transform=ax.transAxes, ha="center")
     n = df.groupby("arm").seed.nunique().min()
-    fig.suptitle(
+    head = (
         f"{title}; mean, 95% t-CI, {n} seeds; thin: each run "
         "(▲ entropy surge, ✖ entropy guard, ▼ reward collapse, ● terminal loops)"
     )
+    # wrapped to the figure's width (~10 characters an inch at the suptitle's 12 pt): a long
+    # setting line would otherwise run off both edges
+    fig.suptitle("\n".join(textwrap.wrap(head, int(fig.get_figwidth() * 10))))
     bottom = 0.0
     if caption:  # the mechanism check under the panels: a null counts only beside it
         bottom = 0.03 + 0.035 * (caption.count("\n") + 1)
