@@ -138,7 +138,7 @@ def draw(root, dose: str) -> None:
         f"{prereg['claim']} ({prereg['source']}): countdown task model; seeds per σ "
         + ", ".join(f"{s:g}: {k}" for s, k in n.items())
     )
-    fig.suptitle("\n".join(textwrap.wrap(title, 150)))
+    fig.suptitle(textwrap.fill(title, 150))
     savefig(fig, root / dose / f"fig_{dose}")
 
 

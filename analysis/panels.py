@@ -120,7 +120,7 @@ def panel_row(
     )
     # wrapped to the figure's width (~10 characters an inch at the suptitle's 12 pt): a long
     # setting line would otherwise run off both edges
-    fig.suptitle("\n".join(textwrap.wrap(head, int(fig.get_figwidth() * 10))))
+    fig.suptitle(textwrap.fill(head, int(fig.get_figwidth() * 10)))
     bottom = 0.0
     if caption:  # the mechanism check under the panels: a null counts only beside it
         bottom = 0.03 + 0.035 * (caption.count("\n") + 1)
