@@ -104,6 +104,24 @@ def test_fork_var_and_intervals():
         assert lo < 0 < hi  # the same checkpoint against itself: no growth inside the interval
 
 
+def test_stop_share_by_hand():
+    # row 0 ends in EOS (id 2) with Δ = −3: μ stopped where π would not; row 1 ran out of
+    # budget (its last token is not EOS); row 2 ends in the other EOS id (9) with Δ = 0.5.
+    delta = torch.tensor([[-0.1, 0.2, -3.0], [0.5, 0.0, 0.0], [0.5, 0.0, 0.0]])
+    resp = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0]])
+    ids = torch.tensor([[5, 6, 2], [7, 3, 0], [9, 0, 0]])
+    mask = resp.clone()
+    mask[0, 0] = 0  # a token the dials skip counts in neither sum
+    out = drift.stop_share(delta, mask, resp, ids, [2, 9])
+    assert out["eos_frac"] == pytest.approx(2 / 3)
+    # Σ Δ² over the mask: 0.04 + 9 + 0.25 + 0 + 0.25 = 9.54; at the two EOS tokens 9.25
+    assert out["eos_d2_share"] == pytest.approx(9.25 / 9.54)
+    assert out["eos_mean_delta"] == pytest.approx((-3.0 + 0.5) / 2)
+    none = drift.stop_share(delta, mask, resp, ids, 4)  # an id no row ends in
+    assert none["eos_frac"] == 0 and none["eos_d2_share"] == 0
+    assert math.isnan(none["eos_mean_delta"])
+
+
 def test_token_mult_prob_error_by_hand():
     # NeMo-RL's mean exp|log π − log μ| over response tokens
     x = torch.tensor([[0.1, -0.2, 5.0]])

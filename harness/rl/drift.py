@@ -47,7 +47,7 @@ from harness.runs.config import schema
 from harness.runs.validate import validate
 from harness.sampling.engines import Engine
 from harness.stats.diagnostics import dials
-from harness.stats.drift import SEQ_COLUMNS, factors, fork_var, logit_error, seq_sums
+from harness.stats.drift import SEQ_COLUMNS, factors, fork_var, logit_error, seq_sums, stop_share
 
 STEP_FILE = re.compile(r"step_(\d+)\.pt$")
 CHUNK = 256  # positions per logit chunk: 256 × 49,152 fp32 ≈ 50 MB a tensor
@@ -155,6 +155,7 @@ def calibration_pass(cfg, task, tok, sampler, trainer, problems, seed: int):
         **dials(x, m, batch.p_t),
         **factors(sums),
         "fork_var": fork_var(sums),
+        **stop_share(x, m, ro.response_mask, ro.response_ids, trainer.model.config.eos_token_id),
         "fork_frac": float(sums["fork_n"].sum() / sums["n"].sum()),
         "entropy": float(batch.entropy[sel].mean()),
         "reward": float(rewards.float().mean()),

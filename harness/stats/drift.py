@@ -79,6 +79,28 @@ def seq_sums(
     return {k: v.sum(1).cpu().numpy() for k, v in cols.items()}
 
 
+def stop_share(
+    delta: Tensor, mask: Tensor, response_mask: Tensor, response_ids: Tensor, eos: int | list[int]
+) -> dict[str, float]:
+    """The stop decision's part of β ([B, T] tensors, `delta` = log π − log μ of the sampled
+    tokens, `mask` the tokens the dials read, `response_mask` 1 up to and including each row's
+    last token): `eos_frac`, the share of responses that end in an EOS token (the rest ran out
+    of budget); `eos_d2_share`, those EOS tokens' share of Σ Δ² over the masked tokens; and
+    `eos_mean_delta`, their mean Δ (≪ 0: μ stops where π would go on). A β concentrated on the
+    stop decision sets the response length, which every sequence-level weight multiplies over."""
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)[:, None]
+    ended = (response_mask.sum(-1) > 0) & torch.isin(
+        response_ids.gather(1, last)[:, 0], torch.as_tensor(eos, device=response_ids.device)
+    )
+    d_end = delta.gather(1, last)[:, 0][ended].double()
+    d2 = (delta.double() ** 2 * mask).sum()
+    return {
+        "eos_frac": float(ended.double().mean()),
+        "eos_d2_share": float((d_end**2).sum() / d2) if d2 > 0 else float("nan"),
+        "eos_mean_delta": float(d_end.mean()) if len(d_end) else float("nan"),
+    }
+
+
 def factors(sums: dict[str, np.ndarray]) -> dict[str, float]:
     """(L̄, ḡ, σ̄², ρ) and the measured sequence second moment S = L̄ ḡ σ̄² ρ of one checkpoint
     from its per-sequence sums."""
