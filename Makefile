@@ -101,6 +101,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.dose_response  # NSR and CIS over β, with their base experiments' σ point
 	$(PY) -m analysis.alpha_calibration
 	$(PY) -m analysis.beta_drift  # β drift over training on SmolLM2, decomposed (results/beta_drift/)
+	$(PY) -m analysis.beta_drift results/beta_drift/mxfp8_dose  # the MXFP8 dose pilot's checkpoints
 	for e in collapse_pilot collapse_confirm surge_pilot_sigma surge_position opsd_repetition opsd_long_pilot opsd_long_topp; do $(PY) -m analysis.how_close $$e > /dev/null; done  # how close each null came
 	$(PY) -m analysis.claims  # results/claims.md: every pre-registered endpoint and its verdict
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -74,8 +75,13 @@ def run_config(folder: Path) -> dict:
 
 def mu_label(cfg: dict) -> str:
     """μ and the trainer's replay, as the series measured them."""
-    eng, names = cfg["engine"], [n["name"] for n in [cfg["noise"], *cfg.get("extra_noise", [])]]
-    mu = f"μ {eng['sampler_dtype']}, noise {'+'.join(names)}"
+    eng = cfg["engine"]
+    # each noise model with the kwargs the run set (its defaults: the model's signature)
+    names = [
+        n["name"] + "".join(f" {k}={v}" for k, v in n.items() if k != "name")
+        for n in [cfg["noise"], *cfg.get("extra_noise", [])]
+    ]
+    mu = f"μ {eng['sampler_dtype']}, noise {' + '.join(names)}"
     if cfg["model"].get("upcycle"):
         up = cfg["model"]["upcycle"]
         mu += f", MoE {up['n_experts']}×top-{up['top_k']} jitter {up.get('expert_jitter', 0)}"
@@ -95,9 +101,13 @@ def plot(root: Path, folders: list[Path], parts: pd.DataFrame, name: str) -> Pat
             ax.plot(d.step, d[col] / d[col].iloc[0], "o-", ms=3, color=f"C{i}", label=label)
         ax.axhline(1, color="k", lw=0.8)
         ax.set(yscale="log", xlabel="training step (checkpoint)", ylabel="dial / its step-0 value")
-        title = f"{folder.name}: the dials at frozen weights\n({mu_label(run_config(folder))})"
+        mu = textwrap.fill(mu_label(run_config(folder)), 60)
+        title = f"{folder.name}: the dials at frozen weights\n({mu})"
         ends = d["mean_abs_delta"].iloc[[0, -1]]
         title += f"\nmean |Δ| {ends.iloc[0]:.4f} → {ends.iloc[1]:.4f}"
+        if "eos_d2_share" in d and d["eos_d2_share"].notna().all():  # the stop decision's part
+            eos = d["eos_d2_share"].iloc[[0, -1]] * 100
+            title += f"; at EOS {eos.iloc[0]:.0f}% → {eos.iloc[1]:.0f}% of Σ Δ²"
         if "route_flips" in d and d["route_flips"].notna().all():  # an MoE series
             flips = d["route_flips"].iloc[[0, -1]] * 100
             title += f"; route flips {flips.iloc[0]:.1f}% → {flips.iloc[1]:.1f}%"
