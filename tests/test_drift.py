@@ -112,17 +112,17 @@ def test_stop_share_by_hand():
     ids = torch.tensor([[5, 6, 2], [7, 3, 0], [9, 0, 0]])
     mask = resp.clone()
     mask[0, 0] = 0  # a token the dials skip counts in neither sum
-    out = drift.stop_share(delta, mask, resp, ids, [2, 9])
+    out = drift.stop_share(delta, mask, resp, ids, torch.tensor([2, 9]))
     assert out["eos_frac"] == pytest.approx(2 / 3)
     # Σ Δ² over the mask: 0.04 + 9 + 0.25 + 0 + 0.25 = 9.54; at the two EOS tokens 9.25
     assert out["eos_d2_share"] == pytest.approx(9.25 / 9.54)
     assert out["eos_mean_delta"] == pytest.approx((-3.0 + 0.5) / 2)
     mask[2, 0] = 0  # an EOS the dials skip still ends its response, and counts in no sum
-    skip = drift.stop_share(delta, mask, resp, ids, [2, 9])
+    skip = drift.stop_share(delta, mask, resp, ids, torch.tensor([2, 9]))
     assert skip["eos_frac"] == pytest.approx(2 / 3)
     assert skip["eos_d2_share"] == pytest.approx(9.0 / 9.29)
     assert skip["eos_mean_delta"] == pytest.approx(-3.0)
-    none = drift.stop_share(delta, mask, resp, ids, 4)  # an id no row ends in
+    none = drift.stop_share(delta, mask, resp, ids, torch.tensor([4]))  # an id no row ends in
     assert none["eos_frac"] == 0 and none["eos_d2_share"] == 0
     assert math.isnan(none["eos_mean_delta"])
 

@@ -46,6 +46,7 @@ from harness.rl.step import collect
 from harness.runs.config import schema
 from harness.runs.validate import validate
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import eos_ids
 from harness.stats.diagnostics import dials
 from harness.stats.drift import SEQ_COLUMNS, factors, fork_var, logit_error, seq_sums, stop_share
 
@@ -155,7 +156,7 @@ def calibration_pass(cfg, task, tok, sampler, trainer, problems, seed: int):
         **dials(x, m, batch.p_t),
         **factors(sums),
         "fork_var": fork_var(sums),
-        **stop_share(x, m, ro.response_mask, ro.response_ids, trainer.model.config.eos_token_id),
+        **stop_share(x, m, ro.response_mask, ro.response_ids, eos_ids(trainer.model)),
         "fork_frac": float(sums["fork_n"].sum() / sums["n"].sum()),
         "entropy": float(batch.entropy[sel].mean()),
         "reward": float(rewards.float().mean()),

@@ -80,17 +80,18 @@ def seq_sums(
 
 
 def stop_share(
-    delta: Tensor, mask: Tensor, response_mask: Tensor, response_ids: Tensor, eos: int | list[int]
+    delta: Tensor, mask: Tensor, response_mask: Tensor, response_ids: Tensor, eos: Tensor
 ) -> dict[str, float]:
     """The stop decision's part of β ([B, T] tensors, `delta` = log π − log μ of the sampled
     tokens, `mask` the tokens the dials read, `response_mask` 1 up to and including each row's
-    last token): `eos_frac`, the share of responses that end in an EOS token (the rest ran out
-    of budget); `eos_d2_share`, the masked EOS tokens' share of Σ Δ² over the masked tokens;
-    and `eos_mean_delta`, their mean Δ (≪ 0: μ stops where π would go on). A β concentrated on the
-    stop decision sets the response length, which every sequence-level weight multiplies over."""
+    last token; `eos` the model's EOS ids, `harness.sampling.rollout.eos_ids`): `eos_frac`, the
+    share of responses that end in an EOS token (the rest ran out of budget); `eos_d2_share`,
+    the masked EOS tokens' share of Σ Δ² over the masked tokens; and `eos_mean_delta`, their
+    mean Δ (≪ 0: μ stops where π would go on). A β concentrated on the stop decision sets the
+    response length, which every sequence-level weight multiplies over."""
     last = (response_mask.sum(-1).long() - 1).clamp(min=0)[:, None]
     ended = (response_mask.sum(-1) > 0) & torch.isin(
-        response_ids.gather(1, last)[:, 0], torch.as_tensor(eos, device=response_ids.device)
+        response_ids.gather(1, last)[:, 0], eos.to(response_ids.device)
     )
     read = ended & (mask.gather(1, last)[:, 0] > 0)  # the EOS tokens the dials read
     d_end = delta.gather(1, last)[:, 0][read].double()
