@@ -1,7 +1,7 @@
 """Reduce raw training run folders to the committed `results/<experiment>/summary.csv`.
 
     python -m analysis.summarize collapse_reject_vs_clamp fp8_entropy_surge ...  [--results DIR]
-                                 [force=true]
+                                 [force=true | keep=true]
 
 
 Per-step rows (run × step, selected metrics, arm/seed/config columns); runs that did not reach
@@ -14,6 +14,13 @@ Nothing is replaced silently: without `force=true` it refuses, naming the runs, 
 runs are not one experiment (`analysis.runs.config_problems`: a key that differs although no
 sweep varied it, duplicate runs) or when the new summary.csv would drop runs the one on disk
 has (a toy sweep summarised into a folder of committed results).
+
+`keep=true` continues a sweep whose finished runs' folders are gone (a new machine holds only
+what was committed): the committed rows of every run with no folder here are kept as they are,
+in summary.csv and mechanism.csv, and the runs here are added or replace theirs. It refuses when
+the runs here were made under another pre-registration than the committed prereg.yaml, when an
+arm's recipe columns (objective, noise, lr, steps, weights, ...) differ between kept and new runs,
+or when a new run repeats a kept run's arm and seed under another folder name.
 """
 
 from __future__ import annotations
@@ -46,35 +53,98 @@ def refusals(root: Path, exp: str, df: pd.DataFrame) -> list[str]:
     return problems
 
 
+# the summary's columns that define an arm's recipe: kept and new runs of one arm must agree
+RECIPE_COLUMNS = [
+    "objective",
+    "noise",
+    "sigma",
+    "staleness",
+    "minibatches",
+    "lr",
+    "logp_old_source",
+    "steps",
+    "weights_sha",
+    "recipe_hash",
+]
+
+
+def _value(v) -> str:
+    """A recipe value as text, alike whether it was read from a CSV or a run's config (1 and
+    1.0, None and NaN)."""
+    if pd.isna(v):
+        return ""
+    try:
+        return repr(float(v))
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def keep_committed(
+    root: Path, exp: str, df: pd.DataFrame, mech: pd.DataFrame, prereg: dict
+) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """`df` and `mech` (the runs here) with the committed rows of the runs that have no folder
+    here put first, and why the two sets are not one experiment (empty: safe to write)."""
+    out = root / exp
+    old = pd.read_csv(out / "summary.csv", dtype={"weights_sha": str, "recipe_hash": str})
+    kept = old[~old.run.isin(df.run)]
+    problems = []
+    path = out / "prereg.yaml"
+    committed = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    if committed != prereg:
+        problems.append(f"the runs here were made under another pre-registration than {path}")
+    both = pd.concat([kept.assign(kept=True), df.assign(kept=False)], ignore_index=True)
+    for arm, g in both.groupby("arm"):
+        for col in RECIPE_COLUMNS:
+            values = {kept: sorted(set(g[g.kept == kept][col].map(_value))) for kept in (1, 0)}
+            if all(values.values()) and values[1] != values[0]:
+                problems.append(f"{arm}: {col} = {values[1]} in the kept runs, {values[0]} here")
+    pairs = both.groupby(["arm", "seed"]).run.unique()
+    problems += [
+        f"{arm}, seed {seed}: kept run and run here under other names ({', '.join(runs)})"
+        for (arm, seed), runs in pairs.items()
+        if len(runs) > 1
+    ]
+    mech_path = out / "mechanism.csv"
+    if mech_path.exists():
+        old_mech = pd.read_csv(mech_path)
+        mech = pd.concat([old_mech[~old_mech.run.isin(mech.run)], mech]).sort_values("run")
+    df = pd.concat([kept, df]).sort_values(["run", "step"], kind="stable")
+    return df.reset_index(drop=True), mech.reset_index(drop=True), problems
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("experiments", nargs="*", default=EXPERIMENTS)
     p.add_argument("--results", default=os.environ.get("RATIOLAB_RESULTS", "results"))
     a = p.parse_intermixed_args(argv)
     force = "force=true" in a.experiments
-    exps = [e for e in a.experiments if not e.startswith("force=")] or EXPERIMENTS
+    keep = "keep=true" in a.experiments
+    exps = [e for e in a.experiments if not e.startswith(("force=", "keep="))] or EXPERIMENTS
     root = Path(a.results)
     for exp in exps:
         df = load_raw(root, exp)
         if df.empty:
             print(f"[summarize] {exp}: no runs")
             continue
-        problems = refusals(root, exp, df)
+        last = df.groupby("run").step.transform("max")
+        df["complete"] = last >= df.steps
+        mech, prereg = load_mechanism(root, exp), load_prereg(root, exp)
+        if keep and (root / exp / "summary.csv").exists():
+            df, mech, problems = keep_committed(root, exp, df, mech, prereg)
+            problems += config_problems(root, exp)
+        else:
+            problems = refusals(root, exp, df)
         if problems and not force:
             raise SystemExit(
                 f"[summarize] {exp}: refused, nothing written:\n  - "
                 + "\n  - ".join(problems)
                 + "\nMove the stray runs out, or pass force=true to write the summary anyway."
             )
-        mech = load_mechanism(root, exp)
         if not mech.empty:
             csv = mech.to_csv(index=False, float_format="%.5g")
             write_text_atomic(root / exp / "mechanism.csv", csv)
-        prereg = load_prereg(root, exp)
         if prereg:
             write_text_atomic(root / exp / "prereg.yaml", yaml.safe_dump(prereg, sort_keys=False))
-        last = df.groupby("run").step.transform("max")
-        df["complete"] = last >= df.steps
         out = root / exp / "summary.csv"
         write_text_atomic(out, df.to_csv(index=False, float_format="%.5g"))
         n = df.groupby("run").complete.first()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -229,6 +230,52 @@ def test_summarize_never_drops_committed_runs_without_force(tmp_path):
     assert out.read_text() == committed.to_csv(index=False)  # untouched
     summarize(["nsr_vs_decay", "--results", str(tmp_path), "force=true"])
     assert set(pd.read_csv(out).run) == {"toy"}
+
+
+def test_summarize_keep_continues_a_sweep_whose_run_folders_are_gone(tmp_path):
+    exp = tmp_path / "nsr_vs_decay"
+    for seed in (0, 1):
+        _raw_run(tmp_path, f"seed={seed}", _cfg(seed), overrides=[f"seed={seed}"])
+    summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    committed = (exp / "summary.csv").read_text().splitlines()
+    committed_mech = (exp / "mechanism.csv").read_text().splitlines()
+    # a new machine: seed 0's folder is gone, seed 2 ran there; seed 1 ran again (replaced)
+    for d in ("seed=0", "seed=1"):
+        shutil.rmtree(exp / d)
+    _raw_run(tmp_path, "seed=1", _cfg(1), steps_done=2, overrides=["seed=1"])
+    _raw_run(tmp_path, "seed=2", _cfg(2), overrides=["seed=2"])
+    with pytest.raises(SystemExit, match="holds 1 runs that have no run folder here"):
+        summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    summarize(["nsr_vs_decay", "--results", str(tmp_path), "keep=true"])
+    df = pd.read_csv(exp / "summary.csv")
+    assert df.groupby("run").step.max().to_dict() == {"seed=0": 3, "seed=1": 2, "seed=2": 3}
+    assert df.groupby("run").complete.first().to_dict() == {
+        "seed=0": True,
+        "seed=1": False,
+        "seed=2": True,
+    }
+    lines = (exp / "summary.csv").read_text().splitlines()
+    assert lines[0] == committed[0]
+    assert lines[1:4] == [ln for ln in committed if ln.startswith("1,") or ln[0] in "23"][:3]
+    assert [ln.split(",")[0] for ln in lines[1:4]] == ["1", "2", "3"]
+    mech = pd.read_csv(exp / "mechanism.csv")
+    assert mech.run.tolist() == ["seed=0", "seed=1", "seed=2"]
+    assert (exp / "mechanism.csv").read_text().splitlines()[1] == committed_mech[1]
+    # a new run that is not the kept runs' experiment is refused, naming why; nothing written
+    before = (exp / "summary.csv").read_text()
+    for d in ("seed=1", "seed=2"):
+        shutil.rmtree(exp / d)
+    cfg = {**_cfg(3), "optim": {"lr": 1e-3}, "prereg": {"claim": "other"}}
+    _raw_run(tmp_path, "seed=3", cfg, overrides=["seed=3"])
+    with pytest.raises(SystemExit) as e:
+        summarize(["nsr_vs_decay", "--results", str(tmp_path), "keep=true"])
+    assert "another pre-registration" in str(e.value)
+    assert "push control: lr = ['0.0001'] in the kept runs, ['0.001'] here" in str(e.value)
+    shutil.rmtree(exp / "seed=3")
+    _raw_run(tmp_path, "seed=2 again", _cfg(2), overrides=["seed=2"])
+    with pytest.raises(SystemExit, match="push control, seed 2: kept run and run here under"):
+        summarize(["nsr_vs_decay", "--results", str(tmp_path), "keep=true"])
+    assert (exp / "summary.csv").read_text() == before
 
 
 def test_summarize_refuses_mixed_configs_and_duplicate_runs_naming_them(tmp_path):
