@@ -108,7 +108,9 @@ def keep_committed(
     if mech_path.exists():
         old_mech = pd.read_csv(mech_path)
         mech = pd.concat([old_mech[~old_mech.run.isin(mech.run)], mech]).sort_values("run")
-    df = pd.concat([kept, df]).sort_values(["run", "step"], kind="stable")
+    # the columns in today's order (load_raw's), then any the committed summary alone has
+    columns = [*df.columns, *(c for c in kept.columns if c not in df.columns)]
+    df = pd.concat([kept, df])[columns].sort_values(["run", "step"], kind="stable")
     return df.reset_index(drop=True), mech.reset_index(drop=True), problems
 
 
