@@ -230,6 +230,14 @@ def arms_of(prereg: dict, ep: dict) -> tuple[str, str]:
 IN_KIND = ("event", "final_any")  # reductions that count runs in which the phenomenon happened
 
 
+def seeds_run(df: pd.DataFrame, arms: list[str], aa_offset: int | None) -> int:
+    """How many seeds have a run of every one of `arms` (the A/A cell's seeds left out): the
+    seeds the sweep has run, whether or not each gives a value (an exit-mass ratio needs a
+    repetition)."""
+    d = df[df.seed < aa_offset] if aa_offset else df
+    return len(set.intersection(*(set(d[d.arm == a].seed) for a in arms)))
+
+
 def kind(ep: dict, verdict: str) -> str:
     """in kind: the registered phenomenon happened (events in the treatment arm, Fisher);
     in sign: a registered directional difference; neither."""
@@ -315,6 +323,13 @@ def claims(root: Path) -> pd.DataFrame:
             d_cell = select_cell(df, ep.get("where"))  # the mechanism of the endpoint's cell
             m_cell = None if mech is None else select_cell(mech, ep.get("where"), strict=False)
             status = audit.get(exp, {}).get(ep["name"], "confirmatory")
+            ran = seeds_run(d_cell, [tr, ct], prereg.get("aa_offset"))
+            if status == "confirmatory" and ran < prereg["seeds"]:
+                # a sweep still running: its numbers so far are shown, but the registered test
+                # is run once, on the registered seeds; a look at a part neither gives a
+                # verdict nor enters the corrections
+                status = f"interim ({ran}/{prereg['seeds']} seeds)"
+                res = {**res, "verdict": f"interim, no verdict (so far: {res['verdict']})"}
             rows.append(
                 {
                     "experiment": exp,
@@ -438,7 +453,9 @@ def main(argv: list[str] | None = None) -> None:
         "phenomenon itself happened (runs with the event, Fisher), **in sign** when a "
         "registered directional difference did, else neither. Corrections: Holm within "
         "each experiment, Benjamini–Hochberg across every confirmatory endpoint; rows "
-        "an audit marks exploratory (results/audit.yaml) leave both. MDE: the smallest "
+        "an audit marks exploratory (results/audit.yaml) leave both, as do the rows of a "
+        "sweep that has not yet run every registered seed (*interim*: its numbers so far, "
+        "no verdict). MDE: the smallest "
         "true difference the test detects with 80% power at this many pairs and the "
         "observed SD of the paired differences (Fisher: the fewest treatment events that "
         "reach p < 0.05 against none). In-kind events (analysis.events): surge = 10-step "

@@ -376,6 +376,38 @@ def test_claims_refuses_runs_that_cannot_give_the_registered_tests(tmp_path):
     assert (table[table.experiment == "nsr_vs_decay"].pairs == 2).all()
 
 
+def test_a_sweep_short_of_its_registered_seeds_gives_no_verdict(tmp_path):
+    """nsr_vs_decay registers 5 seeds. With 3 run, every row is interim: the numbers so far,
+    no verdict, outside both corrections, though the difference is plain (NSR 1.0 vs 0.1)."""
+    from analysis.claims import claims
+    from analysis.runs import preset_config
+
+    exp = tmp_path / "nsr_vs_decay"
+    exp.mkdir()
+    prereg = preset_config("nsr_vs_decay")["prereg"]
+    (exp / "prereg.yaml").write_text(yaml.safe_dump(prereg, allow_unicode=True))
+
+    def write(n_seeds):
+        vals = {("NSR", s): [1.0 + 0.01 * s] * 100 for s in range(n_seeds)}
+        vals |= {("deterministic decay", s): [0.1] * 100 for s in range(n_seeds)}
+        df = _summary(vals).assign(steps=100, entropy_mean=lambda d: d.m, reward_mean=0.5)
+        df.to_csv(exp / "summary.csv", index=False)
+
+    write(3)
+    with pytest.warns(UserWarning, match="checksum"):
+        t = claims(tmp_path)
+    t = t[t.experiment == "nsr_vs_decay"]
+    assert (t.status == "interim (3/5 seeds)").all() and (t.kind == "neither").all()
+    assert t.verdict.str.startswith("interim, no verdict (so far: ").all()
+    assert (t.survives == "not in the family").all() and t.p_holm.isna().all()
+    write(5)
+    with pytest.warns(UserWarning, match="checksum"):
+        t = claims(tmp_path)
+    t = t[t.experiment == "nsr_vs_decay"]
+    assert (t.status == "confirmatory").all() and t.p_holm.notna().any()
+    assert not t.verdict.str.startswith("interim").any()
+
+
 def test_an_endpoint_can_name_its_own_arms_and_a_stall_is_an_event():
     """A third arm against the control (the seed's fix): `arms_of` reads the endpoint's own
     treatment/control, else the registration's; an arm label must be text. `stall` is a
