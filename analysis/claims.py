@@ -23,7 +23,7 @@ import pandas as pd
 import yaml
 
 from analysis.events import escalation, run_events
-from analysis.runs import load_summary, mechanism_summary, preset_config, results_root
+from analysis.runs import doubled, load_summary, mechanism_summary, preset_config, results_root
 from analysis.stats import (
     benjamini_hochberg,
     fisher_exact,
@@ -116,11 +116,9 @@ def endpoint_problems(df: pd.DataFrame, ep: dict) -> list[str]:
     if ep["reduce"] == "window_mean" and (runs.empty or runs.step.max() < ep["window"][1]):
         last = "no runs" if runs.empty else f"the last step is {runs.step.max()}"
         out.append(f"{ep['name']}: window {list(ep['window'])} lies beyond the last step ({last})")
-    n = runs.groupby(["arm", "seed"]).run.unique()
     out += [
         f"{ep['name']}: arm {arm!r} seed {seed} has {len(r)} runs in this cell ({', '.join(r)})"
-        for (arm, seed), r in n.items()
-        if len(r) > 1
+        for (arm, seed), r in doubled(runs).items()
     ]
     return out
 

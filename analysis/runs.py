@@ -405,6 +405,13 @@ def summaries(root: Path, experiments: dict):
             yield exp, label, load_summary(root, exp)
 
 
+def doubled(df: pd.DataFrame) -> dict[tuple[str, int], list[str]]:
+    """(arm, seed) → its runs, for every arm and seed with more than one run (a paired test
+    would count that seed twice)."""
+    runs = df.groupby(["arm", "seed"]).run.unique()
+    return {key: list(r) for key, r in runs.items() if len(r) > 1}
+
+
 def run_head(run: pd.DataFrame) -> dict:
     """The first columns of a per-run table: one run's arm, seed, last step and completeness."""
     return {

@@ -33,7 +33,7 @@ import pandas as pd
 import yaml
 
 from analysis.claims import EXPERIMENTS as CLAIMED
-from analysis.runs import config_problems, load_mechanism, load_prereg, load_raw
+from analysis.runs import config_problems, doubled, load_mechanism, load_prereg, load_raw
 from harness.base.io import write_text_atomic
 
 EXPERIMENTS = [*CLAIMED, "alpha_calibration"]  # every experiment with training runs
@@ -98,11 +98,9 @@ def keep_committed(
             values = {kept: sorted(set(g[g.kept == kept][col].map(_value))) for kept in (1, 0)}
             if all(values.values()) and values[1] != values[0]:
                 problems.append(f"{arm}: {col} = {values[1]} in the kept runs, {values[0]} here")
-    pairs = both.groupby(["arm", "seed"]).run.unique()
     problems += [
         f"{arm}, seed {seed}: kept run and run here under other names ({', '.join(runs)})"
-        for (arm, seed), runs in pairs.items()
-        if len(runs) > 1
+        for (arm, seed), runs in doubled(both).items()
     ]
     mech_path = out / "mechanism.csv"
     if mech_path.exists():
