@@ -82,8 +82,9 @@ def _value(v) -> str:
 def keep_committed(
     root: Path, exp: str, df: pd.DataFrame, mech: pd.DataFrame, prereg: dict
 ) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
-    """`df` and `mech` (the runs here) with the committed rows of the runs that have no folder
-    here put first, and why the two sets are not one experiment (empty: safe to write)."""
+    """`df` and `mech` (the runs here) joined, in run order, with the committed rows of the
+    runs that have no folder here, and why the two sets are not one experiment (empty: safe to
+    write)."""
     out = root / exp
     old = pd.read_csv(out / "summary.csv", dtype={"weights_sha": str, "recipe_hash": str})
     kept = old[~old.run.isin(df.run)]
