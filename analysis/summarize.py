@@ -118,9 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("experiments", nargs="*", default=EXPERIMENTS)
     p.add_argument("--results", default=os.environ.get("RATIOLAB_RESULTS", "results"))
     a = p.parse_intermixed_args(argv)
-    force = "force=true" in a.experiments
-    keep = "keep=true" in a.experiments
-    exps = [e for e in a.experiments if not e.startswith(("force=", "keep="))] or EXPERIMENTS
+    switches = {e for e in a.experiments if "=" in e}
+    if switches - {"force=true", "keep=true"}:
+        bad = sorted(switches - {"force=true", "keep=true"})
+        raise SystemExit(f"[summarize] unknown switch {bad}: valid are force=true and keep=true")
+    force, keep = "force=true" in switches, "keep=true" in switches
+    exps = [e for e in a.experiments if e not in switches] or EXPERIMENTS
     root = Path(a.results)
     for exp in exps:
         df = load_raw(root, exp)

@@ -246,6 +246,8 @@ def test_summarize_keep_continues_a_sweep_whose_run_folders_are_gone(tmp_path):
     _raw_run(tmp_path, "seed=2", _cfg(2), overrides=["seed=2"])
     with pytest.raises(SystemExit, match="holds 1 runs that have no run folder here"):
         summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"unknown switch \['keep=yes'\]: valid are force=true"):
+        summarize(["nsr_vs_decay", "--results", str(tmp_path), "keep=yes"])
     summarize(["nsr_vs_decay", "--results", str(tmp_path), "keep=true"])
     df = pd.read_csv(exp / "summary.csv")
     assert df.groupby("run").step.max().to_dict() == {"seed=0": 3, "seed=1": 2, "seed=2": 3}
