@@ -273,7 +273,9 @@ def test_fp8_fidelity_bins_agree_with_a_naive_loop_over_tokens():
         if count:
             assert got["mean_abs_delta_emulated"] == pytest.approx(s_em / count, abs=1e-5)
             assert got["mean_abs_delta_scaled_mm"] == pytest.approx(s_re / count, abs=1e-5)
-    assert out["overall"]["mean_abs_scaled_mm_minus_emulated"] == 0.0  # fp32, row: exact on CPU
+    # The two fp32 paths agree to rounding, not bit for bit: their summation order depends on
+    # the thread count (0 at one thread, 1.5e-8 at two), 1e5× below the FP8 β itself.
+    assert out["overall"]["mean_abs_scaled_mm_minus_emulated"] <= 1e-6
     assert out["overall"]["mean_abs_delta_emulated"] > 1e-3
 
 
