@@ -119,8 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--results", default=os.environ.get("RATIOLAB_RESULTS", "results"))
     a = p.parse_intermixed_args(argv)
     switches = {e for e in a.experiments if "=" in e}
-    if switches - {"force=true", "keep=true"}:
-        bad = sorted(switches - {"force=true", "keep=true"})
+    if bad := sorted(switches - {"force=true", "keep=true"}):
         raise SystemExit(f"[summarize] unknown switch {bad}: valid are force=true and keep=true")
     force, keep = "force=true" in switches, "keep=true" in switches
     exps = [e for e in a.experiments if e not in switches] or EXPERIMENTS
