@@ -234,10 +234,15 @@ def config_problems(root: Path, exp: str) -> list[str]:
     }
     arms = [preset_arms(exp), *(cfg.get("arms") or {} for cfg in cfgs.values())]
     arm_keys = {k for a in arms for values in a.values() for k in values or {}}
+    # an arm that picks a config group (`objective.name: calibrated_clip`) brings that group's
+    # own keys (`objective.ema`): they differ between arms by design
+    arm_groups = tuple(k.removesuffix("name") for k in arm_keys if k.endswith(".name"))
     swept = set.intersection(*map(swept_keys, runs)) if runs else set()
     problems = []
     seeds = {k for r in recipe.values() for k in r if k == "seed" or k.endswith(".seed")}
     for key in sorted(set().union(*recipe.values()) - swept - arm_keys - seeds):
+        if key.startswith(arm_groups):
+            continue
         by_value: dict[str, list[str]] = {}
         for name, r in recipe.items():
             by_value.setdefault(repr(r.get(key, "<unset>")), []).append(name)

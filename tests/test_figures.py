@@ -306,6 +306,33 @@ def test_summarize_refuses_mixed_configs_and_duplicate_runs_naming_them(tmp_path
         "push control": [0, 1],
         "NSR": [2],
     }
+    # an arm that picks another objective brings that objective's own keys: not mixed configs,
+    # though the other runs' command lines never named the objective
+    hard = {**_cfg(3), "objective": {"name": "ppo_clip", "eps_low": 0.2}}
+    _raw_run(
+        tmp_path,
+        "objective=ppo_clip,seed=3",
+        hard,
+        overrides=["seed=3", "steps=3", "objective=ppo_clip"],
+    )
+    summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    df = pd.read_csv(tmp_path / "nsr_vs_decay" / "summary.csv")
+    assert df.groupby("arm").seed.unique().map(list).to_dict() == {
+        "push control": [0, 1],
+        "NSR": [2],
+        "hard clip": [3],
+    }
+    # a key outside the arm's group still is
+    bad = {**_cfg(4), "objective": {"name": "ppo_clip"}, "optim": {"lr": 1e-3}}
+    _raw_run(
+        tmp_path,
+        "objective=ppo_clip,seed=4",
+        bad,
+        overrides=["seed=4", "steps=3", "objective=ppo_clip"],
+    )
+    with pytest.raises(SystemExit, match=r"mixed configs: optim.lr = 0.0001 in 4 runs"):
+        summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    shutil.rmtree(tmp_path / "nsr_vs_decay" / "objective=ppo_clip,seed=4")
     _raw_run(tmp_path, "copy of seed=1", _cfg(1), overrides=["seed=1", "steps=3"])
     with pytest.raises(
         SystemExit, match="duplicate runs .one config, 2 folders.: copy of seed=1, seed=1"
