@@ -202,7 +202,9 @@ def mark(res: dict[str, Any], ep: dict) -> str:
 
 def endpoint_marks(root: Path, exp: str) -> dict[str, str]:
     """The registered endpoints of `exp` that are not restricted to one cell, keyed by their
-    summary.csv column, as figure annotations (treatment − control); {} before prereg.yaml."""
+    summary.csv column, as figure annotations (treatment − control), one line per endpoint in
+    registered order where several test one column (the primary and the fix's); {} before
+    prereg.yaml."""
     path = Path(root) / exp / "prereg.yaml"
     if not path.exists():
         return {}
@@ -215,7 +217,8 @@ def endpoint_marks(root: Path, exp: str) -> dict[str, str]:
             problems = endpoint_problems(df, ep)
             tr, ct = arms_of(prereg, ep)
             res = run_endpoint(endpoint_values(df, ep), ep, tr, ct)
-            out[ep["metric"]] = problems[0] if problems else mark(res, ep)
+            line = problems[0] if problems else mark(res, ep)
+            out[ep["metric"]] = "\n".join(filter(None, [out.get(ep["metric"]), line]))
     return out
 
 

@@ -96,12 +96,13 @@ def panel_row(
     for i, (ax, (col, panel_title, ylabel)) in enumerate(zip(axes, panels)):
         curve(ax, df, col, arms, legend=i in legend_on, events=events)
         ax.set(title=panel_title, xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
-        if col in marks:  # the registered test: treatment − control, paired by seed
-            ax.set_title(panel_title, pad=24)
+        if col in marks:  # the registered tests: treatment − control, paired by seed
+            text = "\n".join(line.replace("], ", "],\n", 1) for line in marks[col].split("\n"))
+            ax.set_title(panel_title, pad=24 + 9 * max(0, text.count("\n") - 1))
             ax.text(
                 0.5,
                 1.01,
-                marks[col].replace("], ", "],\n", 1),
+                text,
                 transform=ax.transAxes,
                 fontsize=6.5,
                 ha="center",

@@ -30,6 +30,8 @@ PANELS = [  # column, title, y label
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
     ("eval_acc", "Held-out accuracy", "accuracy (fixed 128-problem set)"),
     ("response_len", "Response length (5-step mean)", "tokens"),
+    # not registered: how the failure's output degenerated on this model (seen in every failure run)
+    ("repetition_terminal_loop_rate", "Terminal loops (5-step mean)", "share of responses"),
     ("clip_frac_low", "Mechanism: A<0 clipped at 1−ε", "fraction of tokens"),
 ]
 
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     root = results_root(argv)
     for exp, what, raw in summaries(root, EXPERIMENTS):
         write_run_table(root, exp, "shape.csv", shape(raw))
-        df = smooth(raw, ["entropy_mean", "reward_mean", "response_len", "clip_frac_low"])
+        df = smooth(raw, [c for c, _, _ in PANELS if c != "eval_acc"])
         set_theme()
         title = (
             "SmolLM2-135M-Instruct, FP8 block W8A8 E4M3 μ, 2 minibatches, lr 3e-6, word problems "

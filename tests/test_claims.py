@@ -230,11 +230,17 @@ def test_figure_marks_carry_the_registered_test_worked_by_hand(tmp_path):
         "metric": "eval_acc",
         "where": {"seed": 0},
     }
-    prereg = {**PREREG, "endpoints": [PREREG["endpoints"][0], cell]}
+    # a second endpoint on the same column (a fix against the treatment): C − T, the same
+    # numbers negated; both lines are marked, in registered order
+    fix = {**PREREG["endpoints"][0], "name": "fix", "treatment": "C", "control": "T"}
+    prereg = {**PREREG, "endpoints": [PREREG["endpoints"][0], cell, fix]}
     (tmp_path / "x" / "prereg.yaml").write_text(yaml.safe_dump(prereg, allow_unicode=True))
     with pytest.warns(UserWarning, match="weights checksum"):
         marks = endpoint_marks(tmp_path, "x")
-    assert marks == {"m": "e: Δ +2.000, 95% CI [-0.484, +4.484], p = 0.074 (n.s.)"}
+    assert marks == {
+        "m": "e: Δ +2.000, 95% CI [-0.484, +4.484], p = 0.074 (n.s.)\n"
+        "fix: Δ -2.000, 95% CI [-4.484, +0.484], p = 0.074 (n.s.)"
+    }
     assert endpoint_marks(tmp_path, "absent") == {}
     assert [stars(p) for p in (0.0009, 0.009, 0.049, 0.05)] == ["***", "**", "*", "n.s."]
 
