@@ -30,7 +30,7 @@ PANELS = [  # column, title, y label
     ("reward_mean", "Training reward (5-step mean)", "mean reward"),
     ("eval_acc", "Held-out accuracy", "accuracy (fixed 128-problem set)"),
     ("response_len", "Response length (5-step mean)", "tokens"),
-    # not registered: how the failure's output degenerated on this model (seen in every failure run)
+    # not registered: how the failure degenerated here (every confirmatory failure run looped)
     ("repetition_terminal_loop_rate", "Terminal loops (5-step mean)", "share of responses"),
     ("clip_frac_low", "Mechanism: A<0 clipped at 1−ε", "fraction of tokens"),
 ]
