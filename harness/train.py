@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from harness.base import distributed
 from harness.base.io import write_json_atomic, write_text_atomic
 from harness.base.models import resolve_device, save_folder
-from harness.noise.fp8 import high_precision, shadow_pass
+from harness.noise.fp8 import ShadowPass, high_precision
 from harness.objectives.opsd import teacher_inputs
 from harness.rl import checkpoint, mechanism
 from harness.rl.alpha import minibatch_schedule
@@ -142,11 +142,11 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
             t_ids, t_mask, exit_metrics, ranks=s.ranks, **hooks,
         )  # fmt: skip
     else:
-        shadow = shadow_pass(s.policy, s.old_policy, ro, cfg.engine.mask_replay)
+        shadow = ShadowPass(s.policy, s.old_policy, ro, cfg.engine.mask_replay)
         batch, updates, skipped = update(
             s.policy, s.objective, batch, ro, schedule, s.opt, cfg.optim.grad_clip,
             mask_replay=cfg.engine.mask_replay, logp_old_source=cfg.engine.logp_old_source,
-            calibrate=s.objective.calibration_due(step), ranks=s.ranks,
+            calibrate=s.objective.calibration_due(step, cfg.steps), ranks=s.ranks,
             shadow=shadow if cfg.engine.trainer_fp8 else None, **hooks,
         )  # fmt: skip
     # 5: μ syncs to the behaviour weights (k steps old under staleness)

@@ -610,7 +610,8 @@ def test_calibrated_clip_by_hand():
     # ρ* = G⁺_hp(1.28)/G⁻_hp(0.8) = (1.0 + 1.1)/(0.9 + 1.0) = 1.105263
     # lp: A>0 r = [0.95, 1.2, 1.5]; target = ρ*·G⁻_lp(0.75) = 1.105263·(0.75 + 1.05) = 1.989474
     #   cumsum [0.95, 2.15, 3.65] first ≥ target at 1.2 -> H* = 1.2
-    # EMA 0.9 from [0.8, 1.28]: L = 0.795, H = 1.272. Count balance: ρ* = 2/2, target 2 -> 1.2
+    # EMA 0.9 from the paper's [0.6, 1.8]: L = 0.54 + 0.075 = 0.615, H = 1.62 + 0.12 = 1.74.
+    # Count balance: ρ* = 2/2, target 2 -> 1.2
     hp = t([[0.7, 0.9, 1.0, 1.0, 1.1, 1.4]]).log()
     lp = t([[0.6, 0.75, 1.05, 0.95, 1.2, 1.5]]).log()
     adv, mask, zero = t([[-1, -1, -1, 1, 1, 1]]), torch.ones(1, 6), torch.zeros(1, 6)
@@ -621,13 +622,16 @@ def test_calibrated_clip_by_hand():
     assert (obj.low, obj.high) == (pytest.approx(0.75), pytest.approx(1.2))
     smooth = build_objective("calibrated_clip")
     smooth.calibrate(hp, zero, lp, zero, adv, mask)
-    assert (smooth.low, smooth.high) == (pytest.approx(0.795), pytest.approx(1.272))
+    assert (smooth.low, smooth.high) == (pytest.approx(0.615), pytest.approx(1.74))
     count = build_objective("calibrated_clip", ema=0.0, balance="count")
     assert count.calibrate(hp, zero, lp, zero, adv, mask)["calib/high_target"] == pytest.approx(1.2)
     # the bounds are state, and they are what the clip uses: A<0, r = 0.78 is inside [0.75, 1.2]
-    fresh = build_objective("calibrated_clip")
     one = make([[0.0]], [[0.0]], [[-1.0]])
-    assert run(fresh, [[L(0.78)]], one)[1].item() == 0.0  # the reference window clips it
+    assert run(build_objective("calibrated_clip"), [[L(0.78)]], one)[1].item() == pytest.approx(
+        0.78
+    )
+    fresh = build_objective("calibrated_clip", init_low=None, init_high=None)
+    assert run(fresh, [[L(0.78)]], one)[1].item() == 0.0  # the reference window [0.8, 1.28]
     fresh.load_state_dict(obj.state_dict())
     _, grad, m = run(fresh, [[L(0.78)]], one)
     assert grad.item() == pytest.approx(0.78) and m["clip/bound_low"] == pytest.approx(0.75)

@@ -72,7 +72,12 @@ def objective_overrides(name: str) -> list[str]:
     if name == "opsd_fkl":
         return ["objective=opsd_fkl", "distill.enabled=true", "objective.top_k=null"]
     if name == "calibrated_clip":  # its low-precision π_old is μ, its high-precision the trainer
-        return ["objective=calibrated_clip", "engine.logp_old_source=sampler"]
+        # two minibatches: it calibrates on the second, where π_θ has moved
+        return [
+            "objective=calibrated_clip",
+            "engine.logp_old_source=sampler",
+            "alpha.minibatches=2",
+        ]
     if name == "snr_adaptive":  # refreshes at step 4 from steps 1-3's tokens (across a resume)
         return [
             "objective=snr_shrink",
@@ -525,6 +530,49 @@ def test_routing_replay_with_minibatches_and_staleness_through_the_cli_with_eval
 def test_calibrated_clip_refuses_to_calibrate_a_ratio_against_itself(tmp_path):
     with pytest.raises(ValueError, match="logp_old_source='trainer' makes them the same tensor"):
         train.run(_cfg(tmp_path, "objective=calibrated_clip", "steps=1"))
+    cal = ["objective=calibrated_clip", "engine.logp_old_source=sampler"]
+    with pytest.raises(ValueError, match="identically 1 .* valid: alpha.minibatches ≥ 2"):
+        train.run(_cfg(tmp_path, *cal, "steps=1"))
+    with pytest.raises(
+        ValueError, match=r"objective.every=20 gives 2 calibration\(s\) in steps=40"
+    ):
+        train.run(_cfg(tmp_path, *cal, "alpha.minibatches=2", "steps=40", "++objective.every=20"))
+
+
+def test_calibrated_clip_calibrates_where_the_policy_moved(
+    tmp_path, alternating_reward, monkeypatch
+):
+    """Two minibatches, a policy that moves (lr 0.2), logit noise on μ: the calibration sees the
+    second minibatch, where π_θ^hp ≠ π_old^hp, so α_low > 0 and L* is a real quantile of r_lp,
+    not its minimum (at the first minibatch r_hp ≡ 1, α_low ≡ 0 and L* = min r_lp)."""
+    from harness.objectives.calibrated import CalibratedClip
+
+    seen = []
+    real = CalibratedClip.calibrate
+
+    def spy(self, logp_hp, logp_old_hp, logp_lp, logp_old_lp, advantages, mask):
+        m = mask > 0
+        seen.append((logp_hp - logp_old_hp)[m].abs().max().item())
+        r_lp = (logp_lp - logp_old_lp)[m & (advantages < 0)].exp()
+        out = real(self, logp_hp, logp_old_hp, logp_lp, logp_old_lp, advantages, mask)
+        seen.append((out["calib/alpha_low"], out["calib/low_target"], r_lp.min().item()))
+        return out
+
+    monkeypatch.setattr(CalibratedClip, "calibrate", spy)
+    train.run(
+        _cfg(
+            tmp_path,
+            *objective_overrides("calibrated_clip"),
+            "noise=logit",
+            "++noise.sigma=0.5",
+            "optim.lr=0.2",
+            "steps=3",
+        )
+    )
+    assert len(seen) == 6  # a run of 3 steps calibrates every step (≥ 10 would need 30)
+    moved, (alpha_low, low_target, min_r_lp) = seen[0], seen[1]
+    assert moved > 1e-3 and alpha_low > 0 and low_target > min_r_lp
+    assert [r["calib/alpha_low"] for r in _metrics(tmp_path)][0] == alpha_low
 
 
 def test_readme_first_training_command_draws_the_noise_field_of_the_run_seed(tmp_path):
@@ -980,27 +1028,37 @@ def test_full_pipeline_fp8_unifies_the_trainer_with_the_sampler(
     )
     assert half["mean_abs_delta"] > 1e-3 > 1e-5 > full["mean_abs_delta"]
     calls = []
-    shadow_pass = train.shadow_pass
+    real = train.ShadowPass
 
-    def counted(policy, old_policy, ro, mask_replay):
-        shadow = shadow_pass(policy, old_policy, ro, mask_replay)
-        return lambda rows: calls.append(len(rows)) or shadow(rows)
+    class Counted(real):  # which rows each pass scores: π_old^hp first, then π_θ^hp
+        def behaviour(self, rows):
+            calls.append(("behaviour", len(rows)))
+            return super().behaviour(rows)
 
-    monkeypatch.setattr(train, "shadow_pass", counted)
-    # the check off: it would run shadow passes of its own, and the spy counts the loop's
+        def current(self, rows):
+            calls.append(("current", len(rows)))
+            return super().current(rows)
+
+    monkeypatch.setattr(train, "ShadowPass", Counted)
+    # the check off: it would run shadow passes of its own, and the spy counts the loop's;
+    # π_old recomputed by the FP8 trainer: seed 002's own pipeline
     out = train.run(
         _cfg(
             tmp_path / "c",
             "objective=calibrated_clip",
-            *fp8,
+            *fp8[:2],
             "engine.trainer_fp8=true",
+            "alpha.minibatches=2",
+            "optim.lr=0.2",
             "steps=2",
             "mechanism_batches=0",
         )
     )
-    assert out["step"] == 2 and calls == [8]  # step 1 calibrates (every 20 steps): all 8 rows
+    # step 1 calibrates (every max(1, 2 // 10) = 1 step: both), on the second minibatch's 4 rows
+    assert out["step"] == 2 and calls == [("behaviour", 4), ("current", 4)] * 2
     m = _metrics(tmp_path / "c")
     assert all(math.isfinite(x["loss"]) for x in m) and m[0]["calib/updated"] == 1.0
+    assert m[0]["calib/alpha_low"] > 0  # π_θ^hp has moved from π_old^hp: α carries movement
     with pytest.raises(
         ValueError, match="engine.trainer_fp8=true .* noise='none'; valid: noise=fp8"
     ):

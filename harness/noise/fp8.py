@@ -646,19 +646,22 @@ def high_precision(engine):
     return fp8.high_precision() if fp8 is not None else contextlib.nullcontext()
 
 
-def shadow_pass(policy, old_policy, ro, mask_replay: bool):
-    """engine.trainer_fp8: calibrated clipping's high-precision (π_θ, π_old) of rows `rows` of
-    rollout `ro`, before the first update of a batch (θ = the weights that batch's first
-    minibatch trains; at staleness 0 these are the behaviour weights, so π_old^hp = π_θ^hp).
-    `old_policy` None or `policy` itself: π_old is the training pass."""
+class ShadowPass:
+    """engine.trainer_fp8: calibrated clipping's high-precision (π_θ, π_old) of rows of rollout
+    `ro`. `behaviour(rows)` is π_old^hp: it must run before the batch's first update (at
+    staleness 0 `old_policy` is `policy` itself or None, still at the behaviour weights then);
+    `current(rows)` is π_θ^hp at the weights the calibrating minibatch trains."""
 
-    def shadow(rows: Tensor) -> tuple[Tensor, Tensor]:
-        with high_precision(policy):
-            hp = policy.logp(ro, rows, stats=False, mask_replay=mask_replay)["logp"]
-        if old_policy is None or old_policy is policy:
-            return hp, hp
-        with high_precision(old_policy):
-            old = old_policy.logp(ro, rows, stats=False, mask_replay=mask_replay)["logp"]
-        return hp, old
+    def __init__(self, policy, old_policy, ro, mask_replay: bool):
+        self.policy, self.ro, self.mask_replay = policy, ro, mask_replay
+        self.old_policy = policy if old_policy is None else old_policy
 
-    return shadow
+    def _hp(self, engine, rows: Tensor) -> Tensor:
+        with high_precision(engine):
+            return engine.logp(self.ro, rows, stats=False, mask_replay=self.mask_replay)["logp"]
+
+    def behaviour(self, rows: Tensor) -> Tensor:
+        return self._hp(self.old_policy, rows)
+
+    def current(self, rows: Tensor) -> Tensor:
+        return self._hp(self.policy, rows)

@@ -11,8 +11,8 @@ seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm). Unknown names
 and unknown kwargs TypeError, both listing the valid ones. Training-loop contract:
   - `obj.inputs` is "logp" (obj(logp, batch)) or "logits" (opsd_fkl: obj(student, teacher, mask));
   - every objective has `state_dict()` / `load_state_dict()` (empty when stateless): checkpoint it;
-  - `obj.calibration_due(step)` (calibrated_clip): feed `obj.calibrate(...)` a high-precision
-    shadow pass on that step's first minibatch (see harness.objectives.calibrated);
+  - `obj.calibration_due(step, steps)` (calibrated_clip): feed `obj.calibrate(...)` a
+    high-precision shadow pass on that step's last minibatch (see harness.objectives.calibrated);
   - `obj.refresh_due(step)` (snr_shrink adaptive): run a calibration pass at the live weights
     and hand it to `obj.refresh(Δ_cal, p_t)` before the step.
 """

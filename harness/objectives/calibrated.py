@@ -1,7 +1,8 @@
 """Calibrated Clipping for full-pipeline FP8 RL (arXiv 2609.22870).
 
-A PPO/DAPO clip whose window [L, H] is state. Every `obj.calibrate_every` steps the training loop
-runs a high-precision shadow pass (π_θ and π_old recomputed at BF16 on the same batch) and calls
+A PPO/DAPO clip whose window [L, H] is state. Every `every` steps the training loop runs a
+high-precision shadow pass (π_θ and π_old recomputed at BF16 on the step's last minibatch, where
+π_θ has moved: on the first, at lag 0, r_hp ≡ 1 and α ≡ 0; harness.rl.step.update) and calls
 
     obj.calibrate(logp_hp, logp_old_hp, logp_lp, logp_old_lp, advantages, mask) -> metrics
 
@@ -11,8 +12,10 @@ runs a high-precision shadow pass (π_θ and π_old recomputed at BF16 on the sa
   H*  rebalancing (contribution DERIVED): G⁺(H; r) = Σ_{A>0} |A|·r·1[r ≤ H] and
       G⁻(L; r) = Σ_{A<0} |A|·r·1[r ≥ L]; ρ* = G⁺(1+ε_h; r_hp)/G⁻(1−ε_l; r_hp);
       H* = the smallest H with G⁺(H; r_lp) ≥ ρ*·G⁻(L*; r_lp). balance="count" uses 1 for |A|·r.
-The loop detects calibrated objectives by `hasattr(obj, "calibrate")`; [L, H] live in
-`state_dict()`.
+The loop asks `obj.calibration_due(step, steps)`; [L, H] live in `state_dict()`.
+Defaults are the paper's where known: initial window [0.6, 1.8], TIS C = 2 in every run, K = 20
+steps for runs of ≥ 200 steps; shorter runs calibrate every steps // 10 (≥ 10 calibrations, so
+the EMA can reach its target: 0.9^10 ≈ 0.35 of the start is left).
 """
 
 from __future__ import annotations
@@ -63,6 +66,19 @@ def update_mass(r: Tensor, adv: Tensor, balance: str) -> Tensor:
     return adv.abs() * r if balance == "magnitude" else torch.ones_like(r)
 
 
+PAPER_EVERY = 20  # K (App. A.5: 10, 20, 40 all beat vanilla FP8; 20 is the default)
+
+
+def calibration_every(steps: int, every: int | None = None) -> int:
+    """K: `every`, or for None the paper's 20 capped so a `steps`-step run gets ≥ 10."""
+    return every if every is not None else max(1, min(PAPER_EVERY, steps // 10))
+
+
+def calibrations(steps: int, every: int | None = None) -> int:
+    """How many steps of 1..steps calibrate: 1, 1 + K, 1 + 2K, …"""
+    return (steps - 1) // calibration_every(steps, every) + 1
+
+
 class CalibratedClip(PolicyObjective):
     """PPO clip with stateful [L, H]; `self.policy` keeps the reference window [1−ε_l, 1+ε_h]."""
 
@@ -73,19 +89,19 @@ class CalibratedClip(PolicyObjective):
         high: float,
         ema: float,
         balance: str,
-        every: int,
+        every: int | None,
         **kw: Any,
     ) -> None:
         choice("balance", balance, ("magnitude", "count"))
         super().__init__(policy, **kw)
         self.low, self.high, self.ema, self.balance = low, high, ema, balance
-        self.calibrate_every = every
+        self.every = every
 
     def bounds(self, batch: TokenBatch) -> tuple[float, float, float]:
         return 1.0, self.low, self.high
 
-    def calibration_due(self, step: int) -> bool:
-        return (step - 1) % self.calibrate_every == 0
+    def calibration_due(self, step: int, steps: int) -> bool:
+        return (step - 1) % calibration_every(steps, self.every) == 0
 
     def __call__(self, logp: Tensor, batch: TokenBatch) -> ObjectiveOutput:
         out = super().__call__(logp, batch)
@@ -144,19 +160,21 @@ def calibrated_clip(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
-    init_low: float | None = None,
-    init_high: float | None = None,
+    init_low: float | None = 0.6,
+    init_high: float | None = 1.8,
     ema: float = 0.9,
     balance: str = "magnitude",
-    every: int = 20,
-    cap: float | None = None,
+    every: int | None = None,
+    cap: float | None = 2.0,
     aggregation: str = "token-mean",
     rejected_in_denominator: bool = True,
     norm_len: int | None = None,
 ) -> CalibratedClip:
-    """Calibrated Clipping: [L, H] from a shadow pass every K steps; init None → 1∓ε (paper .6/1.8).
+    """Calibrated Clipping: [L, H] from a shadow pass every K steps, from the paper's [0.6, 1.8].
 
-    cap: optional token TIS min(π_old/μ, cap) as in the paper's runs (C = 2).
+    eps_low/eps_high: the high-precision reference window 1∓ε whose clip shares are matched.
+    init_low/init_high None: start at that window. every None: `calibration_every(steps)`.
+    cap: token TIS min(π_old/μ, cap), on in every run of the paper (C = 2); None: off.
     """
     policy = clip_term("ppo_clip", eps_low, eps_high)
     return CalibratedClip(

@@ -65,9 +65,9 @@ class Objective:
         it to `refresh(Δ_cal, p_t)` (snr_shrink adaptive=true)."""
         return False
 
-    def calibration_due(self, step: int) -> bool:
-        """Whether step `step`'s first minibatch feeds `calibrate(...)` with a high-precision
-        shadow pass (calibrated_clip)."""
+    def calibration_due(self, step: int, steps: int) -> bool:
+        """Whether step `step` of a `steps`-step run feeds its last minibatch to
+        `calibrate(...)` with a high-precision shadow pass (calibrated_clip)."""
         return False
 
     def state_dict(self) -> dict[str, Any]:

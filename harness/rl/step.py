@@ -31,6 +31,7 @@ from harness.base.batch import (
     masked_mean,
 )
 from harness.base.distributed import ONE, Ranks
+from harness.noise.fp8 import ShadowPass
 from harness.objectives.core import ObjectiveOutput
 from harness.sampling.engines import Engine, micro_batches
 from harness.sampling.rollout import Rollout
@@ -293,16 +294,20 @@ def update(
     calibrate: bool = False,
     on_step: Callable[[], None] | None = None,
     restore: Callable[[], None] | None = None,
-    shadow: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None,
+    shadow: ShadowPass | None = None,
     ranks: Ranks = ONE,
 ) -> tuple[TokenBatch, list[dict[str, float]], int]:
     """One optimizer step per (rows, lag) minibatch of `schedule`, in order. `batch.logp_old`
     None: the first pass's detached π_θ is the trainer's score at the behaviour weights (one
     minibatch only), and π_old is it or, with `logp_old_source="sampler"`, μ (as `collect` does
-    for a separate recompute). `calibrate`: the first
-    minibatch feeds the objective's calibration first (calibrated clipping: the trainer
-    recompute `logp_recompute` is its high-precision π_old, `logp_old` the low-precision one;
-    with a low-precision trainer, `shadow(rows)` gives the high-precision (π_θ, π_old) instead).
+    for a separate recompute). `calibrate`: the last
+    minibatch feeds the objective's calibration before its update (calibrated clipping: the
+    trainer recompute `logp_recompute` is its high-precision π_old, `logp_old` the
+    low-precision one; with a low-precision trainer, `shadow` gives the high-precision π_θ and
+    π_old instead). The last minibatch, because the calibration compares where the two
+    precisions clip α (arXiv 2609.22870's shadow pass: π_θ and π_old at BF16): at lag 0 the
+    first minibatch has π_θ = π_old, so r_hp ≡ 1 and α_low ≡ 0 whatever the data; the last one
+    has moved by every earlier update of the batch (validation refuses a schedule with none).
     `on_step()` runs after each optimizer step (the loop's weight history); `restore()` after a
     step that made a weight non-finite (see `optimizer_step`). With the policy's
     `micro_batch_tokens` a minibatch that needs more than one micro-batch is scored without grad
@@ -320,6 +325,9 @@ def update(
     skipped = 0
     policy.model.train()
     own = ranks.share(batch.mask.shape[0])
+    last = len(schedule) - 1
+    # π_old^hp of the calibrating rows: at the behaviour weights, so before the first update
+    old_hp = shadow.behaviour(schedule[last][0].to(policy.device)) if calibrate and shadow else None
     for i, (rows, lag) in enumerate(schedule):
         rows = rows.to(policy.device)
         mine = None  # this rank's positions in the minibatch (all of them on one rank)
@@ -355,10 +363,12 @@ def update(
                 mask_replay,
                 mine,
             )
-        if calibrate and i == 0:
-            hp, old_hp = shadow(rows) if shadow else (logp.detach(), mb.logp_recompute)
+        if calibrate and i == last:
+            hp, hp_old = (shadow.current(rows), old_hp) if shadow else (logp, mb.logp_recompute)
             metrics.append(
-                objective.calibrate(hp, old_hp, logp.detach(), mb.logp_old, mb.advantages, mb.mask)
+                objective.calibrate(
+                    hp.detach(), hp_old, logp.detach(), mb.logp_old, mb.advantages, mb.mask
+                )
             )
         trust = trust_log_ratio(logp.detach(), mb.logp_old, mb.mask)
         m = step_and_log(policy.model, backward, lag, opt, grad_clip, restore, on_step)

@@ -7,6 +7,7 @@ and the Slurm pre-submission check (`harness.runs.presubmit`) call these."""
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -337,11 +338,45 @@ def validate(cfg: DictConfig) -> None:
             f"engine.trainer_fp8=true runs the trainer in the sampler's FP8 recipe, but "
             f"noise={cfg.noise.name!r}; valid: noise=fp8 (or engine.trainer_fp8=false)"
         )
-    if obj == "calibrated_clip" and cfg.engine.logp_old_source == "trainer":
+    if obj == "calibrated_clip":
+        check_calibration(cfg)
+
+
+def check_calibration(cfg: DictConfig) -> None:
+    """Calibrated clipping can calibrate: its two ratios differ, π_θ has moved where it
+    calibrates (the last minibatch), and the run gets ≥ 3 calibrations (a warning below the
+    ≥ 10 the default cadence gives: with EMA 0.9, 3 move [L, H] 27% of the way to its target)."""
+    from harness.objectives.calibrated import calibration_every, calibrations
+
+    a = cfg.alpha
+    if cfg.engine.logp_old_source == "trainer" and not cfg.engine.trainer_fp8:
         raise ValueError(
             "objective=calibrated_clip calibrates the low-precision π_old against the trainer's "
             "high-precision recompute, but engine.logp_old_source='trainer' makes them the same "
-            "tensor (the clip would silently equal ppo_clip); set engine.logp_old_source=sampler"
+            "tensor (the clip would silently equal ppo_clip); set engine.logp_old_source=sampler "
+            "or engine.trainer_fp8=true (the full FP8 pipeline)"
+        )
+    if a.minibatches == 1 and a.staleness == 0:
+        raise ValueError(
+            "objective=calibrated_clip with alpha.minibatches=1 and alpha.staleness=0: π_θ = "
+            "π_old on every minibatch it could calibrate on, so the high-precision ratio is "
+            "identically 1 and α_low ≡ 0; valid: alpha.minibatches ≥ 2 or alpha.staleness ≥ 1"
+        )
+    every, steps = cfg.objective.get("every"), cfg.steps
+    n = calibrations(steps, every)
+    if n < min(3, steps):  # a run shorter than 3 steps calibrates every step at best
+        raise ValueError(
+            f"objective.every={every!r} gives {n} calibration(s) in steps={steps}; valid: every "
+            f"≤ {max(1, (steps - 1) // 2)} (≥ 3 calibrations), or null (every "
+            f"{calibration_every(steps)} here: {calibrations(steps)} calibrations)"
+        )
+    if n < min(10, steps):
+        ema = cfg.objective.get("ema", 0.9)
+        print(
+            f"[train] warning: objective.every={every} gives {n} calibrations in steps={steps}; "
+            f"with EMA {ema} the window moves {1 - ema**n:.0%} of the way to its target",
+            file=sys.stderr,
+            flush=True,
         )
 
 
