@@ -45,7 +45,16 @@ METRICS = [
     "collapse/events",
     "calib/low",
     "calib/high",
+    "calib/alpha_low",
     "time/step_s",
+    # the optimizer and the clip per arm, for audit: the gradient norm before clipping, the share
+    # of updates grad clipping rescaled, deletions by the advantage's sign, the IS weight's tail
+    "grad/norm",
+    "grad/clipped",
+    "mask/frac_neg",
+    "mask/frac_pos",
+    "is/weight_p99",
+    "is/weight_max",
     # OPSD: R and the student's entropy at copy positions (continuing a repeated segment) and at
     # the other response positions; the copy positions' share of the response tokens
     "repetition/copy_exit_mass_ratio",

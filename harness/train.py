@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import sys
 import time
 from functools import partial
@@ -43,7 +42,7 @@ from tqdm.auto import tqdm
 
 from harness.base import distributed
 from harness.base.io import write_json_atomic, write_text_atomic
-from harness.base.models import resolve_device, save_folder
+from harness.base.models import resolve_device
 from harness.noise.fp8 import ShadowPass, high_precision
 from harness.objectives.opsd import teacher_inputs
 from harness.rl import checkpoint, mechanism
@@ -51,6 +50,7 @@ from harness.rl.alpha import minibatch_schedule
 from harness.rl.setup import Setup, build_setup, r2, rollout_sampling, step_seed, token_budget
 from harness.rl.step import collect, evaluate, gather_batch, share_rows, update, update_distill
 from harness.runs import config as _schema  # noqa: F401  (registers the structured-config schema)
+from harness.runs import fingerprint
 from harness.runs.launch import read_json, run_task, update_meta
 from harness.runs.tracking import SIGNAL_STEPS, Tracker, no_signal, plain_line
 from harness.runs.validate import fsdp, validate, validate_ranks
@@ -87,6 +87,7 @@ def start(cfg: DictConfig) -> tuple[Path, Setup, int, dict]:
     first, guard = checkpoint.resume(s, run_dir, run_dir / "metrics.jsonl", cfg)
     distributed.barrier()
     if lead:
+        fingerprint.record_machine(run_dir, first, ranks.world)
         update_meta(run_dir, model=s.identity, resumed_from_step=first - 1)
         if changed:  # a resume with `resume=override`: what changed, from which step
             past = read_json(run_dir / "meta.json").get("config_overrides", [])
@@ -123,15 +124,16 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
             f"the checkpoints in {cfg.out}/checkpoints hold earlier steps. Lower optim.lr."
         ) from e
     t1 = time.time()
+    if step == 1 and s.ranks.rank == 0:  # what pairs by seed must share (analysis.claims)
+        fingerprint.record_batch(cfg.out, [p.prompt for p in problems], ro)
     batch = gather_batch(local) if s.ranks.world > 1 else local
     rewards = distributed.gather_rows(rewards) if s.ranks.world > 1 else rewards
     # 4: the minibatch updates (schedule: each minibatch's rows and lag)
     schedule = minibatch_schedule(len(rewards), cfg.alpha.minibatches, cfg.alpha.staleness, step)
     # after each optimizer step the weight history's push; after a non-finite one a roll-back
-    hooks = {
-        "on_step": lambda: s.history.push(s.trainer),
-        "restore": partial(checkpoint.roll_back, s),
-    }
+    hooks = dict(
+        on_step=lambda: s.history.push(s.trainer), restore=partial(checkpoint.roll_back, s)
+    )
     reps = repetition_reports(ro.response_ids, ro.response_mask)
     if s.teacher is not None:
         t_ids, t_mask, exit_metrics = teacher_inputs(
@@ -273,9 +275,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if tracker is not None:
             tracker.close()
     if lead and cfg.save_final:
-        save_folder(s.policy.model, s.tok, run_dir / "final.tmp-swap")
-        shutil.rmtree(run_dir / "final", ignore_errors=True)  # a rerun's final replaces it
-        (run_dir / "final.tmp-swap").rename(run_dir / "final")
+        checkpoint.save_final(run_dir, s.policy.model, s.tok)
     if lead:
         update_meta(run_dir, last_step=cfg.steps)
         wall = time.time() - t_start

@@ -740,3 +740,16 @@ def test_adaptive_snr_refresh_recovers_lambda_from_known_alpha_and_beta():
     assert out["snr/lam_b0"] == pytest.approx(0.85) and out["snr/lower_b0"] == 0.5  # no data
     assert out["snr/lower_b1"] < 1 < out["snr/upper_b1"] and out["snr/n_live"] == n
     assert len(obj.live_delta) == 0  # the live record starts afresh
+
+
+def test_band_deletions_split_by_advantage_sign_and_weight_p99_by_hand():
+    # band on π_θ/π_old, [0.8, 1.25]: r = [0.5, 1.0, 2.0, 1.1] with A = [−1, −1, +1, +1]
+    # rejects r = 0.5 (A < 0) and r = 2.0 (A > 0): a quarter of the tokens each; the kept
+    # weights sg(r) are [1.0, 1.1], whose 99th percentile (linear) is 1.0 + 0.99·0.1 = 1.099
+    b = make([[0.0] * 4], [[0.0] * 4], [[-1.0, -1.0, 1.0, 1.0]])
+    obj = build_objective("band", ratio="trust", lo=0.8, hi=1.25)
+    m = run(obj, [[L(0.5), L(1.0), L(2.0), L(1.1)]], b)[2]
+    assert m["mask/frac_neg"] == m["mask/frac_pos"] == pytest.approx(0.25)
+    assert m["mask/frac"] == pytest.approx(0.5)
+    assert m["is/weight_p99"] == pytest.approx(1.099, abs=1e-5)
+    assert m["is/weight_max"] == pytest.approx(1.1, abs=1e-6)

@@ -1136,3 +1136,35 @@ def test_save_final_writes_the_trained_policy_as_a_plain_hf_folder(tmp_path, alt
     assert weights_sha(model) != weights_sha(load_model("tiny-llama")[0])
     with pytest.raises(ValueError, match="save_final=True with a sharded trainer"):
         train.run(_cfg(tmp_path / "b", "steps=1", "save_final=true", "engine.fsdp=true"))
+
+
+def test_the_metrics_say_when_grad_clipping_acted(tmp_path, alternating_reward):
+    """grad/clipped is 1 where clip_grad_norm_ rescaled the step (norm > optim.grad_clip)."""
+    train.run(_cfg(tmp_path / "a", "steps=1", "optim.grad_clip=1e-9"))
+    train.run(_cfg(tmp_path / "b", "steps=1", "optim.grad_clip=1e9"))
+    (a,), (b,) = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert a["grad/norm"] > 1e-9 and a["grad/clipped"] == 1.0
+    assert b["grad/norm"] < 1e9 and b["grad/clipped"] == 0.0
+
+
+def test_meta_records_the_step1_batch_and_the_machine(tmp_path):
+    """Arms paired by seed share their step-1 batch fingerprint; another seed does not; a
+    resume appends its machine (harness.runs.fingerprint)."""
+    from harness.runs.fingerprint import batch_fingerprint, machine
+
+    train.run(_cfg(tmp_path / "a", "steps=1", "objective=ppo_clip"))
+    train.run(_cfg(tmp_path / "b", "steps=1", "objective=cispo"))  # paired by seed: same batch
+    train.run(_cfg(tmp_path / "c", "steps=1", "seed=1"))
+    fp = {k: json.loads((tmp_path / k / "meta.json").read_text()) for k in "abc"}
+    assert fp["a"]["batch_fingerprint"] == fp["b"]["batch_fingerprint"]
+    assert fp["a"]["batch_fingerprint"] != fp["c"]["batch_fingerprint"]
+    assert fp["a"]["machines"] == [machine(1) | {"from_step": 1}]
+    train.run(_cfg(tmp_path / "a", "steps=2", "objective=ppo_clip"))
+    again = json.loads((tmp_path / "a" / "meta.json").read_text())
+    assert [m["from_step"] for m in again["machines"]] == [1, 2]
+    assert again["batch_fingerprint"] == fp["a"]["batch_fingerprint"]  # step 1's, kept
+    ids, mask = torch.tensor([[5, 6, 0]]), torch.tensor([[1, 1, 0]])
+    one = batch_fingerprint(["p"], ids, mask)
+    assert one == batch_fingerprint(["p"], torch.tensor([[5, 6, 9]]), mask)  # padding is not
+    assert one != batch_fingerprint(["p"], torch.tensor([[5, 7, 0]]), mask)  # a sampled token is
+    assert one != batch_fingerprint(["q"], ids, mask)

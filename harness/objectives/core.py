@@ -274,8 +274,11 @@ def policy_metrics(
 ) -> dict[str, float]:
     """The namespaced metrics every policy objective returns.
 
-    clip/* and mask/* and rescue/* are fractions of response tokens; is/* describe the applied
-    detached weight sg(coef · w) over kept tokens (is/ess_seq on per-sequence mean weights).
+    clip/* and mask/* and rescue/* are fractions of response tokens; under the sign-conditioned
+    clip, clip/frac_low is all A < 0 and clip/frac_high all A > 0 (`clip_flags`), and
+    mask/frac_neg + mask/frac_pos split the rejected tokens by the advantage's sign (a
+    sign-agnostic band deletes both). is/* describe the applied detached weight sg(coef · w) over
+    kept tokens (is/ess_seq on per-sequence mean weights; is/weight_p99 its 99th percentile).
     The dials on ρ = π_old/μ are the batch's, not the objective's: harness.stats.diagnostics (the
     loop logs them as dial/*).
     """
@@ -287,11 +290,15 @@ def policy_metrics(
         "clip/frac_low": masked_mean(low, m),
         "clip/frac_high": masked_mean(high, m),
         "mask/frac": masked_mean(1 - keep, m),
+        "mask/frac_neg": masked_mean((1 - keep) * (batch.advantages < 0), m),
+        "mask/frac_pos": masked_mean((1 - keep) * (batch.advantages > 0), m),
         "rescue/frac": masked_mean(flip, m),
         "is/weight_mean": masked_mean(weight, k),
         "is/weight_max": weight.masked_fill(k == 0, -math.inf).max(),
         "is/weight_min": weight.masked_fill(k == 0, math.inf).min(),
     }
+    kept = weight[k > 0].float()
+    vals["is/weight_p99"] = kept.quantile(0.99) if kept.numel() else weight.new_tensor(math.nan)
     out = dict(zip(vals, torch.stack([v.float() for v in vals.values()]).tolist()))
     return out | {"is/ess": ess(weight, k), "is/ess_seq": ess(w_seq, (per_seq > 0).to(w_seq))}
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.base import distributed
 from harness.base.io import RefusedRerun, write_text_atomic
+from harness.base.models import save_folder
 from harness.stats.diagnostics import collapse_guard
 
 if TYPE_CHECKING:
@@ -409,3 +410,11 @@ def end_line(run_dir: Path, last: dict, steps: int, first: int, wall_s: float) -
         f"{wall_s:.0f} s); {len(kept)} checkpoint(s), {size:.2f} GiB; last step: "
         f"{plain_line(last, steps)}"
     )
+
+
+def save_final(run_dir: Path, model: torch.nn.Module, tok) -> None:
+    """`final/`, a Hugging Face folder of the trained weights (a rerun's replaces it), written
+    beside it first so a crash while writing leaves no half folder under the name."""
+    save_folder(model, tok, run_dir / "final.tmp-swap")
+    shutil.rmtree(run_dir / "final", ignore_errors=True)
+    (run_dir / "final.tmp-swap").rename(run_dir / "final")

@@ -227,7 +227,8 @@ def step_and_log(
     return {
         **res.metrics,
         "loss": float(res.loss.detach()),
-        "grad/norm": gnorm,
+        "grad/norm": gnorm,  # before clipping
+        "grad/clipped": float(gnorm > grad_clip),  # clip_grad_norm_ rescaled this step
         "alpha/lag": float(lag),
     }
 
