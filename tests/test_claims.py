@@ -565,3 +565,26 @@ def test_the_committed_clip_confirm_gives_the_paired_numbers_of_issue_53():
     marked = broken_pairs(df[df.arm.isin([fix["treatment"], fix["control"]])], fix["control"])
     assert list(marked) == [(603, "calibrated clip")]
     assert "reward_mean 0.375 vs 0.2812" in marked[(603, "calibrated clip")]
+
+
+def test_power_simulates_the_registered_event_against_a_naive_reference():
+    """Runs that do not learn (32 Bernoulli(0.3) rewards a step, 50 steps): the stall event
+    (analysis.events) agrees run by run with a direct reading of its definition (the 10-step
+    running mean never rises 0.05 above the steps 1–10 mean), and happens in about two thirds
+    of them (issue 53: a flat run crosses the 0.05 rise 36% of the time); runs whose reward
+    rises 0.3 → 0.6 hardly ever stall."""
+    from analysis.power import event_rate, reward_runs
+
+    rng = np.random.default_rng(0)
+    flat = reward_runs(rng, 300, 50, 32, 0.3, 0.0)
+    r = flat.reward_mean.to_numpy().reshape(300, 50)
+    rolling = np.stack([r[:, i - 10 : i].mean(1) for i in range(10, 51)], axis=1)
+    naive = (rolling.max(1) - r[:, :10].mean(1)) < 0.05
+    stall = {"name": "stall", "reduce": "event", "event": "stall"}
+    assert event_rate(stall, flat) == pytest.approx(naive.mean())
+    assert 0.55 < naive.mean() < 0.77
+    assert event_rate(stall, reward_runs(rng, 100, 50, 32, 0.3, 0.3)) < 0.05
+    with pytest.raises(ValueError, match="event='loops'; valid: stall, collapse"):
+        event_rate({**stall, "event": "loops"}, flat)
+    with pytest.raises(ValueError, match=r"base \+ gain=1.2"):
+        reward_runs(rng, 1, 50, 32, 0.9, 0.3)
