@@ -4,12 +4,19 @@
 
 reads, per experiment, the committed results/<exp>/{prereg.yaml, summary.csv, mechanism.csv}
 (written by analysis.summarize) and writes results/claims.md and results/claims.csv: claim,
-seed document, mechanism check, endpoint, test, statistic, p and interval, verdict.
+seed document, mechanism check, endpoint, test, statistic, p and interval, verdict; beside them
+the exact paired test, and whether each pair saw one batch at step 1.
 
 The `prereg` schema is harness.runs.prereg's (validated before a preset's runs).
 
-Tests are two-sided at α = 0.05 (Fisher: one-sided in the predicted direction, the seed's
-prediction being directional); intervals 95% (TOST: 90%, its equivalence interval).
+Tests are two-sided at α = 0.05 (Fisher and the sign test: one-sided in the predicted
+direction, the seed's prediction being directional); intervals 95% (TOST: 90%, its
+equivalence interval). Arms are paired by seed (one seed's runs share prompts and sampler
+noise), so every endpoint also gets the paired test of harness.runs.prereg.PAIRED_TEST, sided
+as its registered test: an event's exact sign test on the discordant pairs (one-sided, as
+Fisher's); a continuous endpoint's registered paired t or TOST, paired already. A pair whose
+step-1 batch differs (`broken_pairs`) stays in the registered test, reported as registered,
+and leaves the paired one.
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ from analysis.stats import (
     mde_paired,
     paired_t,
     pairs_for,
+    sign_flip,
+    sign_test,
     tost,
 )
 from harness.base.io import write_text_atomic
-from harness.runs.prereg import check_prereg
+from harness.runs.prereg import EVENT_TESTS, PAIRED_TEST, check_prereg, smallest_p, test_of
 
 EXPERIMENTS = [
     "collapse_reject_vs_clamp",
@@ -141,13 +150,22 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
     if len(seeds) < 2:
         return {**out, "verdict": f"not testable ({len(seeds)} paired seed)"}
     sign = 1 if ep["predicted"] == "greater" else -1
-    if ep["test"] == "fisher":
+    test = test_of(ep)
+    if test in EVENT_TESTS:
         a, cc = int(x.sum()), int(y.sum())
-        f = fisher_exact(a, len(x) - a, cc, len(y) - cc)
-        p = f[f"p_{ep['predicted']}"]
-        need = fisher_min_events(len(x), len(y), ALPHA)
-        mde = f">= {need}/{len(x)} vs 0/{len(y)}" if need is not None else "none"
-        out.update(stat=f"{a}/{len(x)} vs {cc}/{len(y)} runs", p=p, mde=mde)
+        stat = f"{a}/{len(x)} vs {cc}/{len(y)} runs"
+        if test == "fisher":
+            p = fisher_exact(a, len(x) - a, cc, len(y) - cc)[f"p_{ep['predicted']}"]
+            need = fisher_min_events(len(x), len(y), ALPHA)
+            mde = f">= {need}/{len(x)} vs 0/{len(y)}" if need is not None else "none"
+        else:  # the sign test: the fewest discordant pairs, all one way, that reach α
+            d = x - y
+            st = sign_test(int((d > 0).sum()), int((d < 0).sum()))
+            p = st[f"p_{ep['predicted']}"]
+            stat += f"; discordant pairs {st['n_plus']}+ / {st['n_minus']}−"
+            need = next((k for k in range(len(d) + 1) if smallest_p("sign", k) < ALPHA), None)
+            mde = f">= {need} discordant pairs, all one way" if need is not None else "none"
+        out.update(stat=stat, p=p, mde=mde)
         if a + cc == 0:
             out["verdict"] = "not reproduced: no event in either arm"
         elif a + cc == len(x) + len(y):
@@ -160,7 +178,7 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
     out.update(diff=pt["diff"], ci_lo=pt["ci_lo"], ci_hi=pt["ci_hi"], sd=sd)
     if sd > 0:  # no spread (e.g. 0 in every run): no power statement
         out.update(mde=mde_paired(sd, len(seeds), ALPHA), seeds_needed=pairs_for(pt["diff"], sd))
-    if ep["test"] == "tost":
+    if test == "tost":
         eq = tost(x, y, ep["margin"], ALPHA)
         stat = f"TOST ±{ep['margin']}; paired t = {pt['t']:.2f} (p = {pt['p']:.2g})"
         out.update(stat=stat, p=eq["p"], ci_lo=eq["ci_lo"], ci_hi=eq["ci_hi"], p_difference=pt["p"])
@@ -171,13 +189,70 @@ def run_endpoint(values: pd.Series, ep: dict, treatment: str, control: str) -> d
         else:
             out["verdict"] = "not resolved: neither equivalent nor different"
         return out
-    out.update(stat=f"paired t = {pt['t']:.2f}, df {pt['df']}", p=pt["p"])
+    if test == "sign_flip":
+        out.update(stat=f"sign-flip over {len(x)} pairs", p=sign_flip(x - y)["p"])
+    else:
+        out.update(stat=f"paired t = {pt['t']:.2f}, df {pt['df']}", p=pt["p"])
     if not (x.any() or y.any()):  # e.g. no terminal loop in any run of either arm
         out["verdict"] = "not reproduced: 0 in every run of both arms"
-    elif pt["p"] >= ALPHA:
+    elif out["p"] >= ALPHA:
         out["verdict"] = "not resolved"
     else:
         out["verdict"] = "reproduced" if sign * pt["diff"] > 0 else "opposite to the prediction"
+    return out
+
+
+def paired_test(
+    values: pd.Series, ep: dict, treatment: str, control: str, drop: frozenset = frozenset()
+) -> dict[str, Any]:
+    """The paired test beside the registered one (harness.runs.prereg.PAIRED_TEST), run as a
+    registered test is, on the pairs left after `drop` (seeds whose step-1 batches differ):
+    for an event the exact sign test on the discordant pairs, one-sided in the predicted
+    direction as Fisher's is (5 of 5 the predicted way: 1/32); a continuous endpoint's paired
+    t or TOST is paired already, and is recomputed on those pairs. {} where it gives no p."""
+    kept = values[~values.index.get_level_values("seed").isin(drop)]
+    test = PAIRED_TEST[test_of(ep)]
+    res = run_endpoint(kept, {**ep, "test": test}, treatment, control)
+    if "p" not in res:
+        return {}
+    label = f"sign test, {res['stat']}" if test == "sign" else res["stat"]
+    return {"paired_test": label, "p_paired": res["p"]}
+
+
+FINGERPRINTS = ("fp/batch", "fp/machine")  # hashes each run records (meta.json, summary.csv)
+STEP1 = ("reward_mean", "response_len", "entropy_mean")  # with the dial_* columns present
+# summary.csv keeps 5 significant digits; differences below 1e-6 are float32 roundoff (the dials
+# of a noise-free sampler are ~1e-6 themselves), not another batch
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def broken_pairs(runs: pd.DataFrame, control: str) -> dict[tuple[int, str], str]:
+    """{(seed, arm): why} for each run whose step 1 differs from the `control` arm's run of its
+    seed. Step 1 is sampled before any update, so runs paired by seed see one batch whatever
+    their objective: their fingerprints (FINGERPRINTS) agree where both recorded them; for runs
+    without, their step-1 reward, length, entropy and dials agree to the summary's precision
+    (issue 53: seed 603's calibrated run, step-1 reward 0.375 vs 0.281, ran on another
+    machine)."""
+    first = runs[runs.step == 1].set_index(["seed", "arm"])
+    out = {}
+    for (seed, arm), row in first.iterrows():
+        if arm == control or (seed, control) not in first.index:
+            continue
+        ref = first.loc[(seed, control)]
+        fps = [k for k in FINGERPRINTS if k in first and pd.notna(row[k]) and pd.notna(ref[k])]
+        if fps:
+            diff = [f"{k} {row[k]} vs {ref[k]}" for k in fps if row[k] != ref[k]]
+        else:
+            cols = [c for c in first if c in STEP1 or c.startswith("dial_")]
+            diff = [
+                f"{c} {row[c]:.4g} vs {ref[c]:.4g}"
+                for c in cols
+                if not np.isclose(row[c], ref[c], rtol=RTOL, atol=ATOL, equal_nan=True)
+            ]
+        if diff:
+            out[(seed, arm)] = f"seed {seed}: {arm}'s step 1 differs from {control}'s: " + (
+                ", ".join(diff)
+            )
     return out
 
 
@@ -190,10 +265,11 @@ def mark(res: dict[str, Any], ep: dict) -> str:
     """One endpoint's result as a figure annotation: difference [CI], p and its marks."""
     if "p" not in res or res["p"] is None or math.isnan(res["p"]):
         return f"{ep['name']}: {res['verdict']}"
-    if ep["test"] == "fisher":
-        return f"{ep['name']}: {res['stat']}, Fisher p = {res['p']:.2g} ({stars(res['p'])})"
-    ci = "90% CI" if ep["test"] == "tost" else "95% CI"
-    test = f"TOST ±{ep['margin']:g} p" if ep["test"] == "tost" else "p"
+    if test_of(ep) in EVENT_TESTS:
+        name = "Fisher" if test_of(ep) == "fisher" else "sign test"
+        return f"{ep['name']}: {res['stat']}, {name} p = {res['p']:.2g} ({stars(res['p'])})"
+    ci = "90% CI" if test_of(ep) == "tost" else "95% CI"
+    test = f"TOST ±{ep['margin']:g} p" if test_of(ep) == "tost" else "p"
     return (
         f"{ep['name']}: Δ {res['diff']:+.3f}, {ci} [{res['ci_lo']:+.3f}, {res['ci_hi']:+.3f}]"
         f", {test} = {res['p']:.2g} ({stars(res['p'])})"
@@ -322,6 +398,14 @@ def claims(root: Path) -> pd.DataFrame:
             if prereg.get("aa_offset") and ct in values.index.get_level_values(0):
                 aa = run_endpoint(aa_values(values, ct, prereg["aa_offset"]), ep, "A/A", ct)
             d_cell = select_cell(df, ep.get("where"))  # the mechanism of the endpoint's cell
+            runs = d_cell[d_cell.complete & d_cell.arm.isin([tr, ct])]
+            broken = broken_pairs(runs, ct)
+            paired = paired_test(values, ep, tr, ct, frozenset(seed for seed, _ in broken))
+            pairing = (
+                "; ".join(broken.values()) + " (left out of the paired test)"
+                if broken
+                else "every pair matches at step 1"
+            )
             m_cell = None if mech is None else select_cell(mech, ep.get("where"), strict=False)
             status = audit.get(exp, {}).get(ep["name"], "confirmatory")
             ran = seeds_run(d_cell, [tr, ct], prereg.get("aa_offset"))
@@ -341,7 +425,7 @@ def claims(root: Path) -> pd.DataFrame:
                     "endpoint": ep["name"],
                     "metric": ep["metric"],
                     "reduce": ep["reduce"],
-                    "test": ep["test"],
+                    "test": test_of(ep),
                     "predicted": ep["predicted"],
                     "where": ", ".join(f"{k}={v}" for k, v in (ep.get("where") or {}).items()),
                     "seeds_planned": prereg["seeds"],
@@ -354,6 +438,8 @@ def claims(root: Path) -> pd.DataFrame:
                     "mechanism_treatment": mechanism_summary(m_cell, d_cell, tr),
                     "mechanism_control": mechanism_summary(m_cell, d_cell, ct),
                     **res,
+                    **paired,
+                    "pairing": pairing,
                 }
             )
     if problems:
@@ -365,17 +451,24 @@ def claims(root: Path) -> pd.DataFrame:
 
 
 def corrected(table: pd.DataFrame) -> pd.DataFrame:
-    """Holm within each experiment and Benjamini–Hochberg across all confirmatory registered
-    endpoints (exploratory rows and rows without a p leave both families); `survives`: the
-    verdict holds at α after both, after BH only, or after neither."""
+    """The corrections, in the families the presets register ("Holm and BH over the five"):
+    Holm (family-wise error) and Benjamini–Hochberg (false-discovery rate) within each
+    experiment's endpoints, for the registered p; Holm within the experiment for the exact
+    paired p. A project-wide BH over every confirmatory endpoint stays beside them as its own
+    column (q_bh_project; it moves whenever an unrelated sweep finishes). Exploratory rows and
+    rows without a p leave every family. `survives`: the verdict holds at α after the
+    experiment's Holm and BH, after BH only, Holm only, or neither."""
     if "p" not in table:
         return table
     family = (table.status == "confirmatory") & table.p.notna()
-    table["p_holm"] = np.nan
+    for col in ("p_holm", "q_bh", "p_paired_holm", "q_bh_project"):
+        table[col] = np.nan
     for _, idx in table[family].groupby("experiment").groups.items():
         table.loc[idx, "p_holm"] = holm(table.loc[idx, "p"])
-    table["q_bh"] = np.nan
-    table.loc[family, "q_bh"] = benjamini_hochberg(table.loc[family, "p"])
+        table.loc[idx, "q_bh"] = benjamini_hochberg(table.loc[idx, "p"])
+        if "p_paired" in table:
+            table.loc[idx, "p_paired_holm"] = holm(table.loc[idx, "p_paired"])
+    table.loc[family, "q_bh_project"] = benjamini_hochberg(table.loc[family, "p"])
     hit = table.verdict.fillna("").str.startswith(("reproduced", "opposite"))
     holm_ok, bh_ok = table.p_holm < ALPHA, table.q_bh < ALPHA
     table["survives"] = np.select(
@@ -401,7 +494,8 @@ def markdown(table: pd.DataFrame) -> str:
         "difference [CI]",
         "statistic",
         "p",
-        "p Holm / q BH",
+        "p Holm / q BH (experiment) · q BH (project)",
+        "paired test: p · Holm (experiment)",
         "verdict",
         "kind",
         "survives correction",
@@ -410,11 +504,12 @@ def markdown(table: pd.DataFrame) -> str:
         "A/A",
         "status",
         "mechanism (treatment arm)",
+        "pairing (step 1)",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.to_dict("records"):
         if not isinstance(r.get("claim"), str):
-            lines.append(f"| {r['experiment']} | | | | | | | | {r['verdict']} |" + " |" * 7)
+            lines.append(f"| {r['experiment']} |" + " |" * 8 + f" {r['verdict']} |" + " |" * 8)
             continue
         diff = (
             f"{_fmt(r.get('diff'), '+.4f')} [{_fmt(r.get('ci_lo'), '+.4f')}, "
@@ -425,6 +520,11 @@ def markdown(table: pd.DataFrame) -> str:
         means = f"{_fmt(r.get('treatment_mean'), '.4f')} vs {_fmt(r.get('control_mean'), '.4f')}"
         pairs = f"{int(r['pairs'])}/{int(r['seeds_planned'])} seeds"
         cell = f" at {r['where']}" if r.get("where") else ""
+        paired = (
+            f"{r['paired_test']}: p = {r['p_paired']:.3g} · {_fmt(r.get('p_paired_holm'), '.3g')}"
+            if isinstance(r.get("paired_test"), str)
+            else "—"
+        )
         mde = r.get("mde")
         if isinstance(mde, float) and math.isfinite(mde):
             mde = f"{mde:.3g} · {_fmt(r.get('seeds_needed'), '.0f')} seeds"
@@ -433,10 +533,11 @@ def markdown(table: pd.DataFrame) -> str:
             f"{r['metric']}, {r['reduce']} ({r['test']}, predicted {r['predicted']}) | "
             f"{r['treatment']} vs {r['control']}: {means} ({pairs}) | {diff} | "
             f"{_fmt(r.get('stat'))} | {_fmt(r.get('p'), '.3g')} | "
-            f"{_fmt(r.get('p_holm'), '.3g')} / {_fmt(r.get('q_bh'), '.3g')} | {r['verdict']} | "
+            f"{_fmt(r.get('p_holm'), '.3g')} / {_fmt(r.get('q_bh'), '.3g')} · "
+            f"{_fmt(r.get('q_bh_project'), '.3g')} | {paired} | {r['verdict']} | "
             f"{_fmt(r.get('kind'))} | {_fmt(r.get('survives'))} | {_fmt(mde)} | "
             f"{_fmt(r.get('in_kind'))} | {_fmt(r.get('aa'))} | {_fmt(r.get('status'))} | "
-            f"{r['mechanism_treatment']} |"
+            f"{r['mechanism_treatment']} | {_fmt(r.get('pairing'))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -449,14 +550,23 @@ def main(argv: list[str] | None = None) -> None:
         "# Claims table (generated by `python -m analysis.claims`; do not edit)\n\n"
         "Each row is one pre-registered endpoint (the experiment's preset, `prereg`), "
         "computed from the committed summary.csv exactly as registered; arms paired by "
-        "seed. Tests two-sided at α = 0.05 except Fisher's (one-sided, predicted "
-        "direction); intervals 95% (TOST: 90%). *kind*: **in kind** when the registered "
-        "phenomenon itself happened (runs with the event, Fisher), **in sign** when a "
-        "registered directional difference did, else neither. Corrections: Holm within "
-        "each experiment, Benjamini–Hochberg across every confirmatory endpoint; rows "
-        "an audit marks exploratory (results/audit.yaml) leave both, as do the rows of a "
-        "sweep that has not yet run every registered seed (*interim*: its numbers so far, "
-        "no verdict). MDE: the smallest "
+        "seed. Tests two-sided at α = 0.05 except Fisher's and the sign test's (one-sided, "
+        "predicted direction); intervals 95% (TOST: 90%). *kind*: **in kind** when the "
+        "registered phenomenon itself happened (runs with the event, Fisher), **in sign** "
+        "when a registered directional difference did, else neither. *Paired test*: beside "
+        "the registered one, sided as it: an event's exact sign test on the discordant pairs "
+        "(one-sided, as Fisher's), a continuous endpoint's paired t or TOST (paired "
+        "already), over the pairs whose step-1 batch matches. *Pairing*: a pair whose "
+        "step-1 fingerprints (fp/batch, "
+        "fp/machine) differ, or for runs without them whose step-1 reward, length, entropy "
+        "and dials differ, is named and left out of the paired test; the registered test "
+        "keeps every run, as registered. Corrections, in the families the presets register: "
+        "Holm and Benjamini–Hochberg within each experiment's endpoints (Holm for the paired "
+        "p too); a project-wide BH over every confirmatory endpoint is its own column (q BH "
+        "project), not a verdict's family. Rows an audit marks exploratory "
+        "(results/audit.yaml) leave every family, as do the rows of a sweep that has not yet "
+        "run every registered seed (*interim*: its numbers so far, no verdict). MDE: the "
+        "smallest "
         "true difference the test detects with 80% power at this many pairs and the "
         "observed SD of the paired differences (Fisher: the fewest treatment events that "
         "reach p < 0.05 against none). In-kind events (analysis.events): surge = 10-step "

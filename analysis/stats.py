@@ -1,9 +1,12 @@
-"""The tests the presets pre-register: paired t, TOST equivalence, Fisher's exact.
+"""The tests the presets pre-register: paired t, TOST equivalence, Fisher's exact, and the
+exact paired tests: the sign test and the sign-flip permutation test.
 
 Small pure functions on arrays (no scipy in the project's dependencies): the Student-t
 distribution through the regularised incomplete beta function (a continued fraction),
-its quantiles by bisection, and the hypergeometric sums of Fisher's test by exact integers.
-Every p is exact for its model; `tests/test_stats.py` checks them against closed forms.
+its quantiles by bisection, the hypergeometric sums of Fisher's test and the binomial sums of
+the sign test by exact integers, and the sign-flip test by enumerating all 2^n sign
+assignments. Every p is exact for its model; `tests/test_stats.py` checks them against closed
+forms and brute force.
 """
 
 from __future__ import annotations
@@ -135,6 +138,54 @@ def fisher_exact(a: int, b: int, c: int, d: int) -> dict[str, float]:
     }
 
 
+def sign_test(n_plus: int, n_minus: int) -> dict[str, float]:
+    """The exact sign test on the discordant pairs of a paired binary outcome (McNemar's test in
+    its exact, conditional form; McNemar 1947): pairs where only the treatment run had the
+    event (n_plus) against pairs where only the control run had it (n_minus). Under H0 a
+    discordant pair falls either way with probability 1/2, so n_plus ~ Binomial(n, 1/2) with
+    n = n_plus + n_minus; p_greater = P(X ≥ n_plus), p_less = P(X ≤ n_plus), p (two-sided) =
+    twice the smaller, capped at 1. Concordant pairs carry no information and are not counted;
+    with no discordant pair every p is 1."""
+    if min(n_plus, n_minus) < 0:
+        raise ValueError(f"n_plus={n_plus}, n_minus={n_minus}; valid: counts >= 0")
+    n = n_plus + n_minus
+    greater = sum(math.comb(n, k) for k in range(n_plus, n + 1)) / 2**n
+    less = sum(math.comb(n, k) for k in range(n_plus + 1)) / 2**n
+    return {
+        "n_plus": n_plus,
+        "n_minus": n_minus,
+        "p": min(1.0, 2 * min(greater, less)),
+        "p_greater": greater,
+        "p_less": less,
+    }
+
+
+SIGN_FLIP_MAX = 20  # pairs: 2^20 sums (8 MiB) to enumerate
+
+
+def sign_flip(d) -> dict[str, float]:
+    """The exact sign-flip permutation test of paired differences d (Fisher 1935, *The Design
+    of Experiments* §21; Pitman 1937): under H0 each d_i is symmetric about 0, so given |d_i|
+    its sign is a fair coin. The statistic is Σ d_i; its null distribution is the 2^n sums
+    Σ ±|d_i|, enumerated. p_greater / p_less: the share of sums ≥ / ≤ the observed one; p
+    (two-sided): the share with |sum| ≥ |observed|. Ties within 1e-9 of the total |d| count
+    as at least as extreme. The smallest attainable p is 2^-n one-sided, 2^(1-n) two-sided."""
+    d = np.asarray(d, float)
+    if not 1 <= len(d) <= SIGN_FLIP_MAX:
+        raise ValueError(f"sign_flip: {len(d)} pairs; valid: 1 to {SIGN_FLIP_MAX}")
+    sums = np.zeros(1)
+    for x in np.abs(d):  # all 2^n sums Σ ±|d_i|, one pair at a time
+        sums = np.concatenate([sums + x, sums - x])
+    s, tol = float(d.sum()), 1e-9 * max(1.0, float(np.abs(d).sum()))
+    return {
+        "diff": float(d.mean()),
+        "n": len(d),
+        "p": float(np.mean(np.abs(sums) >= abs(s) - tol)),
+        "p_greater": float(np.mean(sums >= s - tol)),
+        "p_less": float(np.mean(sums <= s + tol)),
+    }
+
+
 # --- multiplicity and power ----------------------------------------------------------------------
 
 
@@ -200,3 +251,39 @@ def fisher_min_events(n_t: int, n_c: int, alpha: float = 0.05) -> int | None:
         if fisher_exact(a, n_t - a, 0, n_c)["p_greater"] < alpha:
             return a
     return None
+
+
+def power_fisher(n: int, q_t: float, q_c: float, alpha: float = 0.05) -> float:
+    """The probability that one-sided Fisher (treatment has more events) gives p < alpha with n
+    runs an arm whose events are independent Bernoulli(q_t) and Bernoulli(q_c): the sum over
+    all (a, c) event counts of their binomial probabilities, exact."""
+    return sum(
+        math.comb(n, a)
+        * q_t**a
+        * (1 - q_t) ** (n - a)
+        * math.comb(n, c)
+        * q_c**c
+        * (1 - q_c) ** (n - c)
+        for a in range(n + 1)
+        for c in range(n + 1)
+        if fisher_exact(a, n - a, c, n - c)["p_greater"] < alpha
+    )
+
+
+def power_sign(n: int, q_t: float, q_c: float, alpha: float = 0.05) -> float:
+    """The probability that the one-sided sign test (treatment has more events) gives p < alpha
+    over n pairs whose two runs have the event independently, Bernoulli(q_t) and
+    Bernoulli(q_c): a pair is + with probability q_t(1 − q_c), − with (1 − q_t)q_c, else
+    concordant; the sum over the multinomial (n_plus, n_minus) counts, exact."""
+    up, down = q_t * (1 - q_c), (1 - q_t) * q_c
+    tie = 1 - up - down
+    return sum(
+        math.factorial(n)
+        / (math.factorial(k) * math.factorial(j) * math.factorial(n - k - j))
+        * up**k
+        * down**j
+        * tie ** (n - k - j)
+        for k in range(n + 1)
+        for j in range(n + 1 - k)
+        if sign_test(k, j)["p_greater"] < alpha
+    )

@@ -308,19 +308,29 @@ def test_an_in_kind_endpoint_counts_runs_in_which_the_entropy_surged():
 
 
 def test_corrections_by_hand_and_exploratory_rows_leave_the_families():
-    """Experiment a: p 0.01, 0.04 → Holm 0.02, 0.04; b: 0.03 → 0.03 and an exploratory 0.001.
-    BH over the three confirmatory p (0.01, 0.03, 0.04): 0.03, 0.04, 0.04."""
+    """Experiment a: p 0.01, 0.04 → Holm 0.02, 0.04, BH 0.02, 0.04; b: 0.03 → 0.03 and an
+    exploratory 0.001. The project-wide BH over the three confirmatory p (0.01, 0.03, 0.04):
+    0.03, 0.04, 0.04. Paired p of a: 0.03125, 0.001 → Holm 0.03125, 0.002. The OPSD confirm's
+    three registered p (1, 0.014286, 0.045419): BH within it gives the reversal 3 × 0.014286
+    = 0.043."""
     t = pd.DataFrame(
         {
             "experiment": ["a", "a", "b", "b"],
             "p": [0.01, 0.04, 0.03, 0.001],
+            "p_paired": [1 / 32, 0.001, 0.5, 0.001],
             "verdict": ["reproduced", "reproduced", "not resolved", "reproduced"],
             "status": ["confirmatory"] * 3 + ["exploratory: ran before its prereg"],
         }
     )
     out = corrected(t)
     assert out.p_holm[:3].tolist() == pytest.approx([0.02, 0.04, 0.03])
-    assert out.q_bh[:3].tolist() == pytest.approx([0.03, 0.04, 0.04]) and np.isnan(out.q_bh[3])
+    assert out.q_bh[:3].tolist() == pytest.approx([0.02, 0.04, 0.03]) and np.isnan(out.q_bh[3])
+    assert out.q_bh_project[:3].tolist() == pytest.approx([0.03, 0.04, 0.04])
+    assert out.p_paired_holm[:3].tolist() == pytest.approx([1 / 32, 0.002, 0.5])
+    assert np.isnan(out.q_bh_project[3]) and np.isnan(out.p_paired_holm[3])
+    opsd = pd.DataFrame({"experiment": "o", "p": [1.0, 0.014286, 0.045419]})
+    opsd = corrected(opsd.assign(verdict="reproduced", status="confirmatory"))
+    assert opsd.q_bh[1] == pytest.approx(0.042858) and round(opsd.q_bh[1], 3) == 0.043
     assert out.survives.tolist() == ["Holm and BH", "Holm and BH", "—", "not in the family"]
 
 
@@ -435,3 +445,146 @@ def test_an_endpoint_can_name_its_own_arms_and_a_stall_is_an_event():
     assert arms_of(PREREG, plain) == (PREREG["treatment"], PREREG["control"])
     with pytest.raises(ValueError, match=r"endpoints\[0\].control"):
         check_prereg({**PREREG, "endpoints": [{**ep, "control": 3}]})
+
+
+def test_a_paired_design_registers_a_paired_test_and_states_its_smallest_p():
+    """No `test` named: an event gets the exact sign test, a continuous reduction the paired t.
+    Smallest p by hand: sign over 4 pairs 1/16 = 0.0625 (cannot reach 0.05: a warning), over 6
+    1/64; sign-flip (two-sided) over 4: 2/16; Fisher 4 vs 4: 1/C(8, 4) = 1/70."""
+    from harness.runs.prereg import smallest_p, test_of
+
+    loops = {"name": "loops", "metric": "m", "reduce": "event", "event": "loops"}
+    loops["predicted"] = "greater"
+    cont = {k: v for k, v in PREREG["endpoints"][0].items() if k != "test"}
+    assert test_of(loops) == "sign" and test_of(cont) == "paired_t"
+    assert smallest_p("sign", 4) == 1 / 16 and smallest_p("sign", 6) == 1 / 64
+    assert smallest_p("sign_flip", 4) == 2 / 16 and smallest_p("fisher", 4) == 1 / 70
+    assert smallest_p("paired_t", 4) == 0.0
+    four = {**PREREG, "seeds": 4, "endpoints": [loops, cont]}
+    with pytest.warns(UserWarning, match=r"endpoints\[0\] \(loops\), 4 pairs: smallest p sign"):
+        lines = check_prereg(four)
+    assert lines[0].endswith("sign 0.0625 (cannot reach α = 0.05)")
+    assert lines[1] == "endpoints[1] (e), 4 pairs: smallest p paired_t any (a continuous statistic)"
+    six = check_prereg({**four, "seeds": 6})  # no warning: 1/64 < 0.05
+    assert six[0].endswith("sign 0.0156 (< α/2 = 0.025)")  # Holm's first step of 2
+    with pytest.raises(ValueError, match=r"endpoints\[0\].reduce/test='event/paired_t'"):
+        check_prereg({**four, "endpoints": [{**loops, "test": "paired_t"}]})
+    with pytest.raises(ValueError, match=r"reduce/test='window_mean/sign'"):
+        check_prereg({**four, "endpoints": [{**cont, "test": "sign"}]})
+
+
+def _step1(rows):
+    """Step-1 summary rows: (arm, seed, reward, entropy, dial, extra columns)."""
+    return pd.DataFrame(
+        [
+            dict(arm=a, seed=s, step=1, reward_mean=r, entropy_mean=e, dial_kl_k3=k, **x)
+            for a, s, r, e, k, x in rows
+        ]
+    )
+
+
+def test_a_pair_whose_step_1_differs_is_named_with_why():
+    """Seed 1's fix run saw another batch (reward 0.375 vs 0.28125, as seed 603's calibrated
+    run); roundoff-level dials (2.9e-6 vs 2.6e-6) and the 5-digit rounding are no difference;
+    a seed without a control run is not compared; fingerprints, where both runs have them,
+    decide (a differing fp/machine is named even when the metrics agree)."""
+    from analysis.claims import broken_pairs
+
+    runs = _step1(
+        [
+            ("C", 0, 0.28125, 0.34380, 0.0476, {}),
+            ("T", 0, 0.28125, 0.343801, 0.0476, {}),
+            ("fix", 0, 0.28125, 0.3438, 2.9e-6 + 0.0476, {}),
+            ("C", 1, 0.28125, 0.3438, 0.0476, {}),
+            ("T", 1, 0.28125, 0.3438, 0.0476, {}),
+            ("fix", 1, 0.375, 0.3462, 0.0476, {}),
+            ("T", 2, 0.5, 0.5, 0.5, {}),
+        ]
+    )
+    assert broken_pairs(runs, "C") == {
+        (1, "fix"): "seed 1: fix's step 1 differs from C's: reward_mean 0.375 vs 0.2812, "
+        "entropy_mean 0.3462 vs 0.3438"
+    }
+    fp = {"fp/batch": "ab12", "fp/machine": "m1"}
+    signed = _step1(
+        [
+            ("C", 0, 0.3, 0.3, 0.3, fp),
+            ("T", 0, 0.9, 0.3, 0.3, fp),  # the fingerprints agree: the metrics are not read
+            ("C", 1, 0.3, 0.3, 0.3, fp),
+            ("T", 1, 0.3, 0.3, 0.3, {**fp, "fp/machine": "m2"}),
+        ]
+    )
+    assert broken_pairs(signed, "C") == {
+        (1, "T"): "seed 1: T's step 1 differs from C's: fp/machine m2 vs m1"
+    }
+
+
+def test_the_paired_test_leaves_out_broken_pairs_and_is_sided_as_the_registered_one():
+    """Events on 6 seeds: the treatment alone on seeds 0–4, neither on 5 → 5 discordant pairs
+    all the predicted way: sign test 1/32 (Fisher 5/6 vs 0/6: C(6,5)/C(12,5) = 6/792 = 0.0076);
+    seed 0 left out → 1/16; predicted less → p_less of 5+ / 0− = 1. A continuous endpoint's
+    paired test is its registered paired t on the kept pairs."""
+    from analysis.claims import paired_test
+
+    ev = {"name": "stall", "metric": "reward_mean", "reduce": "event", "event": "stall"}
+    ev |= {"test": "fisher", "predicted": "greater"}
+    idx = pd.MultiIndex.from_product([["T", "C"], range(6)], names=["arm", "seed"])
+    vals = pd.Series([1, 1, 1, 1, 1, 0] + [0] * 6, index=idx, dtype=float)
+    assert run_endpoint(vals, ev, "T", "C")["p"] == pytest.approx(6 / 792)
+    res = paired_test(vals, ev, "T", "C")
+    assert res["p_paired"] == 1 / 32
+    assert res["paired_test"] == "sign test, 5/6 vs 0/6 runs; discordant pairs 5+ / 0−"
+    assert paired_test(vals, ev, "T", "C", frozenset({0}))["p_paired"] == 1 / 16
+    assert paired_test(vals, {**ev, "predicted": "less"}, "T", "C")["p_paired"] == 1.0
+    cont = PREREG["endpoints"][0]
+    x = pd.Series([0.3, 0.5, 0.2, 0.9, 0.1, 0.4, 0.1, 0.2, 0.0, 0.1, 0.3, 0.2], index=idx)
+    kept = paired_test(x, cont, "T", "C", frozenset({3}))
+    by_hand = paired_t([0.3, 0.5, 0.2, 0.1, 0.4], [0.1, 0.2, 0.0, 0.3, 0.2])
+    assert kept["p_paired"] == pytest.approx(by_hand["p"])
+    assert paired_test(x.loc[["T"]], cont, "T", "C") == {}  # no control arm: no p
+
+
+def test_the_committed_clip_confirm_gives_the_paired_numbers_of_issue_53():
+    """From the committed summary: the primary (stall, failure vs control) 5/6 vs 0/6, all five
+    discordant pairs the predicted way: sign test 1/32 = 0.031 beside Fisher's 0.0076; seed
+    603's calibrated run did not see its pair's step-1 batch and is the only one marked."""
+    from pathlib import Path
+
+    from analysis.claims import broken_pairs, paired_test
+    from analysis.runs import load_summary
+
+    root = Path(__file__).resolve().parents[1] / "results"
+    prereg = yaml.safe_load((root / "smollm2_clip_confirm" / "prereg.yaml").read_text())
+    df = load_summary(root, "smollm2_clip_confirm")
+    primary, fix = prereg["endpoints"][0], prereg["endpoints"][3]
+    vals = endpoint_values(df, primary)
+    tr, ct = prereg["treatment"], prereg["control"]
+    assert run_endpoint(vals, primary, tr, ct)["p"] == pytest.approx(0.0075758, rel=1e-4)
+    assert paired_test(vals, primary, tr, ct)["p_paired"] == 1 / 32
+    assert broken_pairs(df[df.arm.isin([tr, ct])], ct) == {}
+    marked = broken_pairs(df[df.arm.isin([fix["treatment"], fix["control"]])], fix["control"])
+    assert list(marked) == [(603, "calibrated clip")]
+    assert "reward_mean 0.375 vs 0.2812" in marked[(603, "calibrated clip")]
+
+
+def test_power_simulates_the_registered_event_against_a_naive_reference():
+    """Runs that do not learn (32 Bernoulli(0.3) rewards a step, 50 steps): the stall event
+    (analysis.events) agrees run by run with a direct reading of its definition (the 10-step
+    running mean never rises 0.05 above the steps 1–10 mean), and happens in about two thirds
+    of them (issue 53: a flat run crosses the 0.05 rise 36% of the time); runs whose reward
+    rises 0.3 → 0.6 hardly ever stall."""
+    from analysis.power import event_rate, reward_runs
+
+    rng = np.random.default_rng(0)
+    flat = reward_runs(rng, 300, 50, 32, 0.3, 0.0)
+    r = flat.reward_mean.to_numpy().reshape(300, 50)
+    rolling = np.stack([r[:, i - 10 : i].mean(1) for i in range(10, 51)], axis=1)
+    naive = (rolling.max(1) - r[:, :10].mean(1)) < 0.05
+    stall = {"name": "stall", "reduce": "event", "event": "stall"}
+    assert event_rate(stall, flat) == pytest.approx(naive.mean())
+    assert 0.55 < naive.mean() < 0.77
+    assert event_rate(stall, reward_runs(rng, 100, 50, 32, 0.3, 0.3)) < 0.05
+    with pytest.raises(ValueError, match="event='loops'; valid: stall, collapse"):
+        event_rate({**stall, "event": "loops"}, flat)
+    with pytest.raises(ValueError, match=r"base \+ gain=1.2"):
+        reward_runs(rng, 1, 50, 32, 0.9, 0.3)

@@ -90,3 +90,84 @@ def test_mde_and_seeds_needed_by_hand():
     assert fisher_min_events(5, 5) == 4
     assert fisher_exact(3, 2, 0, 5)["p_greater"] == pytest.approx(1 / 12)
     assert fisher_min_events(2, 2) is None  # 2/2 vs 0/2: p = 1/6
+
+
+def _brute_sign_p(n_plus: int, n_minus: int) -> tuple[float, float]:
+    """(p_greater, p_less) of the sign test by listing every one of the 2^n ways the n discordant
+    pairs can fall (+ or −), each equally likely under H0."""
+    import itertools
+
+    n = n_plus + n_minus
+    ups = [sum(signs) for signs in itertools.product((0, 1), repeat=n)]
+    return np.mean([u >= n_plus for u in ups]), np.mean([u <= n_plus for u in ups])
+
+
+@pytest.mark.parametrize("n_plus, n_minus", [(5, 0), (4, 0), (4, 1), (3, 3), (0, 2), (7, 2)])
+def test_sign_test_matches_the_enumeration_of_every_sign_assignment(n_plus, n_minus):
+    from analysis.stats import sign_test
+
+    greater, less = _brute_sign_p(n_plus, n_minus)
+    out = sign_test(n_plus, n_minus)
+    assert out["p_greater"] == pytest.approx(greater) and out["p_less"] == pytest.approx(less)
+    assert out["p"] == pytest.approx(min(1.0, 2 * min(greater, less)))
+
+
+def test_sign_test_by_hand():
+    """5 discordant pairs all one way: one-sided 1/32 = 0.031 (the clip confirm's stall), two-
+    sided 1/16; 4 all one way: 1/16 = 0.0625 (no 4-pair test reaches 0.05); 4+/1−: 6/32; none
+    discordant: 1."""
+    from analysis.stats import sign_test
+
+    assert sign_test(5, 0)["p_greater"] == 1 / 32 and sign_test(5, 0)["p"] == 1 / 16
+    assert sign_test(4, 0)["p_greater"] == 1 / 16 and sign_test(0, 4)["p_less"] == 1 / 16
+    assert sign_test(4, 1)["p_greater"] == 6 / 32
+    assert sign_test(0, 0)["p"] == sign_test(0, 0)["p_greater"] == 1.0
+    with pytest.raises(ValueError, match="n_plus=-1"):
+        sign_test(-1, 2)
+
+
+@pytest.mark.parametrize(
+    "d", [[0.3, 0.1, 0.2, 0.4], [1.0, -2.0, 3.0, 0.5, -0.25], [0.0, 1.0, 1.0, -1.0], [2.0, 2.0]]
+)
+def test_sign_flip_matches_the_enumeration_of_every_sign_assignment(d):
+    import itertools
+
+    from analysis.stats import sign_flip
+
+    obs = sum(d)
+    sums = [
+        sum(s * abs(x) for s, x in zip(signs, d))
+        for signs in itertools.product((1, -1), repeat=len(d))
+    ]
+    out = sign_flip(d)
+    assert out["p_greater"] == pytest.approx(np.mean([s >= obs - 1e-12 for s in sums]))
+    assert out["p_less"] == pytest.approx(np.mean([s <= obs + 1e-12 for s in sums]))
+    assert out["p"] == pytest.approx(np.mean([abs(s) >= abs(obs) - 1e-12 for s in sums]))
+
+
+def test_sign_flip_by_hand():
+    """d = 1, 2, 3 (sum 6): only + + + reaches 6 → p_greater 1/8, two-sided 2/8 (− − − too);
+    d = 1, 2, −3 (sum 0): every |sum| ≥ 0 → p 1; the sums ≥ 0 are 6, 4, 2, 0, 0 of the 8 → 5/8.
+    d = 1.5, −0.5, 1.5, −0.5 (sum 2): only the 4 sums with both 1.5 positive reach 2 → 4/16."""
+    from analysis.stats import sign_flip
+
+    assert sign_flip([1, 2, 3])["p_greater"] == 1 / 8 and sign_flip([1, 2, 3])["p"] == 2 / 8
+    assert sign_flip([1, 2, -3])["p"] == 1.0 and sign_flip([1, 2, -3])["p_greater"] == 5 / 8
+    assert sign_flip([1.5, -0.5, 1.5, -0.5])["p_greater"] == 4 / 16
+    with pytest.raises(ValueError, match="valid: 1 to 20"):
+        sign_flip(np.ones(21))
+
+
+def test_exact_power_by_hand():
+    """Fisher 6 vs 6 with no control event: p < 0.05 needs ≥ 4 events (4/6 vs 0/6: C(6,4)/C(12,4)
+    = 15/495), so at q_t = 0.9 power = P(Bin(6, 0.9) ≥ 4) = 0.9842. The sign test over 6 pairs
+    (q_c = 0) needs ≥ 5 of 5+ discordant, i.e. P(Bin(6, 0.9) ≥ 5) = 0.8857; over 4 pairs it can
+    never reach 0.05 (1/16): power 0; certain events give power 1 once 2^-n < α."""
+    from analysis.stats import power_fisher, power_sign
+
+    assert fisher_exact(4, 2, 0, 6)["p_greater"] == pytest.approx(15 / 495)
+    assert power_fisher(6, 0.9, 0.0) == pytest.approx(
+        sum(math.comb(6, k) * 0.9**k * 0.1 ** (6 - k) for k in (4, 5, 6))
+    )
+    assert power_sign(6, 0.9, 0.0) == pytest.approx(0.9**6 + 6 * 0.9**5 * 0.1)
+    assert power_sign(4, 1.0, 0.0) == 0.0 and power_sign(5, 1.0, 0.0) == pytest.approx(1.0)
