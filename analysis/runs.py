@@ -24,6 +24,7 @@ import yaml
 from harness.base.io import write_text_atomic
 from harness.rl.checkpoint import effective, flatten
 
+PLACE_METRICS = ("place/frac", "clip/frac_low", "clip/frac_high", "mask/frac")
 # metrics.jsonl keys kept in summary.csv ('/' → '_')
 METRICS = [
     "reward/mean",
@@ -55,6 +56,9 @@ METRICS = [
     "mask/frac_pos",
     "is/weight_p99",
     "is/weight_max",
+    # where the deletions fall: at EOS (a response that stopped) and at a terminal loop's first
+    # copy, as shares of response tokens beside the share of such tokens (harness.stats.repetition)
+    *(f"{k}_{place}" for place in ("eos", "loop") for k in PLACE_METRICS),
     # OPSD: R and the student's entropy at copy positions (continuing a repeated segment) and at
     # the other response positions; the copy positions' share of the response tokens
     "repetition/copy_exit_mass_ratio",

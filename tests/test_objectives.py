@@ -753,3 +753,33 @@ def test_band_deletions_split_by_advantage_sign_and_weight_p99_by_hand():
     assert m["mask/frac"] == pytest.approx(0.5)
     assert m["is/weight_p99"] == pytest.approx(1.099, abs=1e-5)
     assert m["is/weight_max"] == pytest.approx(1.1, abs=1e-6)
+
+
+def test_clip_shares_at_eos_and_at_a_loops_first_copy_by_hand():
+    # row 0 stops at EOS (3 tokens < budget 6): place [0, 0, eos]; row 1 runs to the budget and
+    # its repetition (7 8 9)×2 is not mature: place 0 everywhere. PPO clip [0.8, 1.28] on
+    # π_θ/π_old with A = −1 (row 0) and +1 (row 1): r = 0.5 at row 0's EOS (clipped low) and at
+    # row 1's first token (not clipped: A > 0 below the window)
+    from harness.stats.repetition import token_places
+
+    ids = torch.tensor([[4, 5, 2, 0, 0, 0], [7, 8, 9, 7, 8, 9]])
+    mask = t([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    place = token_places(ids, mask, budget=6)
+    assert place.tolist() == [[0, 0, 1, 0, 0, 0], [0] * 6]
+    b = make([[0.0] * 6] * 2, [[0.0] * 6] * 2, [[-1.0] * 6, [1.0] * 6], mask)
+    b.place = place
+    logp = [[0.0, 0.0, L(0.5), 0.0, 0.0, 0.0], [L(0.5), 0.0, 0.0, 0.0, 0.0, 0.0]]
+    m = run(build_objective("ppo_clip"), logp, b)[2]
+    assert m["place/frac_eos"] == pytest.approx(1 / 9) and m["place/frac_loop"] == 0.0
+    assert m["clip/frac_low_eos"] == pytest.approx(1 / 9) == m["clip/frac_low"]
+    assert m["clip/frac_high_eos"] == 0.0 and m["clip/frac_low_loop"] == 0.0
+
+
+def test_token_places_mark_the_first_copy_of_a_terminal_loop():
+    # period 2 from t = 4 to the end (n = 34 ≥ 30, ⌊30/2⌋ ≥ 3 copies): s = 4, first copy 6..7
+    from harness.stats.repetition import token_places
+
+    tokens = [11, 12, 13, 14] + [5, 6] * 15
+    n = len(tokens)
+    place = token_places(torch.tensor([tokens]), torch.ones(1, n), budget=n)
+    assert place[0].nonzero()[:, 0].tolist() == [6, 7] and set(place[0, [6, 7]].tolist()) == {2}

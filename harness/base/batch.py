@@ -40,6 +40,8 @@ class TokenBatch:
     # [B, T] the trainer at the behaviour weights; = logp_old unless logp_old := logp_mu
     # (engine.logp_old_source=sampler), when it is the high-precision π_old of calibrated clipping
     logp_recompute: Tensor | None = None
+    # [B, T] long: where a token sits (harness.stats.repetition.PLACES: EOS, a loop's first copy)
+    place: Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = self.tokens.shape

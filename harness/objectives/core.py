@@ -36,6 +36,7 @@ from harness.base.batch import (
 )
 from harness.base.registry import check_kwargs, lookup, register
 from harness.stats.diagnostics import SAFETY, ess
+from harness.stats.repetition import PLACES
 
 OBJECTIVES: dict[str, Callable] = {}
 AGGREGATIONS: dict[str, Callable] = {}
@@ -297,6 +298,13 @@ def policy_metrics(
         "is/weight_max": weight.masked_fill(k == 0, -math.inf).max(),
         "is/weight_min": weight.masked_fill(k == 0, math.inf).min(),
     }
+    if batch.place is not None:  # shares of response tokens at EOS and at a loop's first copy
+        for name, code in PLACES.items():
+            at = m * (batch.place == code)
+            vals[f"place/frac_{name}"] = masked_mean(at, m)
+            vals[f"clip/frac_low_{name}"] = masked_mean(low * at, m)
+            vals[f"clip/frac_high_{name}"] = masked_mean(high * at, m)
+            vals[f"mask/frac_{name}"] = masked_mean((1 - keep) * at, m)
     kept = weight[k > 0].float()
     vals["is/weight_p99"] = kept.quantile(0.99) if kept.numel() else weight.new_tensor(math.nan)
     out = dict(zip(vals, torch.stack([v.float() for v in vals.values()]).tolist()))

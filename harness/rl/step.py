@@ -35,6 +35,7 @@ from harness.noise.fp8 import ShadowPass
 from harness.objectives.core import ObjectiveOutput
 from harness.sampling.engines import Engine, micro_batches
 from harness.sampling.rollout import Rollout
+from harness.stats.repetition import token_places
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ def collect(
         logp_old=None,
         logp_mu=ro.logp_mu,
         advantages=adv[:, None].expand_as(ro.logp_mu) * ro.response_mask,
+        place=token_places(ro.response_ids, ro.response_mask, sampling.max_new_tokens),
     )
     if own_routes:
         if old_policy is None:

@@ -185,3 +185,21 @@ def repetition_reports(response_ids: Tensor, response_mask: Tensor) -> list[dict
         repetition_report(row[: int(n)].tolist())
         for row, n in zip(response_ids, response_mask.sum(1))
     ]
+
+
+PLACES = {"eos": 1, "loop": 2}  # TokenBatch.place codes; 0: every other response token
+
+
+def token_places(response_ids: Tensor, response_mask: Tensor, budget: int) -> Tensor:
+    """[B, T] place of each response token: "eos", the last token of a response that stopped
+    before the token budget (only EOS stops one early); "loop", the first copy s+ℓ..s+2ℓ−1 of
+    a terminal loop (where the policy first repeats instead of going on); 0 elsewhere."""
+    place = torch.zeros_like(response_ids, dtype=torch.long)
+    for i, (row, n) in enumerate(zip(response_ids, response_mask.sum(1).long().tolist())):
+        tokens = row[:n].tolist()
+        for seg in repetitions(tokens):
+            if seg["terminal"]:
+                place[i, copy_positions(seg, tokens, "first")] = PLACES["loop"]
+        if 0 < n < budget:
+            place[i, n - 1] = PLACES["eos"]
+    return place
