@@ -47,6 +47,9 @@ METRICS = [
     "calib/low",
     "calib/high",
     "calib/alpha_low",
+    "calib/lp_low_share",
+    "calib/hp_high_share",
+    "calib/lp_high_share",
     "time/step_s",
     # the optimizer and the clip per arm, for audit: the gradient norm before clipping, the share
     # of updates grad clipping rescaled, deletions by the advantage's sign, the IS weight's tail

@@ -618,6 +618,9 @@ def test_calibrated_clip_by_hand():
     obj = build_objective("calibrated_clip", ema=0.0)
     m = obj.calibrate(hp, zero, lp, zero, adv, mask)
     assert m["calib/alpha_low"] == pytest.approx(1 / 3)
+    assert m["calib/lp_low_share"] == pytest.approx(2 / 3)  # 0.6, 0.75 < 0.8
+    assert m["calib/hp_high_share"] == pytest.approx(1 / 3)  # 1.4 > 1.28
+    assert m["calib/lp_high_share"] == pytest.approx(1 / 3)  # 1.5 > 1.28
     assert m["calib/rho_target"] == pytest.approx(2.1 / 1.9)
     assert (obj.low, obj.high) == (pytest.approx(0.75), pytest.approx(1.2))
     smooth = build_objective("calibrated_clip")

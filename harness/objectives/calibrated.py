@@ -141,6 +141,11 @@ class CalibratedClip(PolicyObjective):
         return {
             "calib/updated": 1.0,
             "calib/alpha_low": alpha,
+            # how much of the reference window each precision's ratio fills: the shares the
+            # sign-conditioned clip [1−ε_l, 1+ε_h] would delete (A < 0 below, A > 0 above)
+            "calib/lp_low_share": float((r_lp[neg] < lo_ref).double().mean()),
+            "calib/hp_high_share": float((r_hp[pos] > hi_ref).double().mean()),
+            "calib/lp_high_share": float((r_lp[pos] > hi_ref).double().mean()),
             "calib/rho_target": rho,
             "calib/low_target": low_t,
             "calib/high_target": high_t,
