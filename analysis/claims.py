@@ -360,11 +360,14 @@ def in_kind_counts(
     return "; ".join(parts)
 
 
-def load_audit(root: Path) -> dict:
+def load_audit(root: Path, name: str = "audit.yaml") -> dict:
     """results/audit.yaml: {experiment: {endpoint name: status}} for registered rows an audit
     found not confirmatory (e.g. "exploratory: its runs finished before the pre-registration
-    commit"). Such rows stay in the table and leave the correction families."""
-    path = root / "audit.yaml"
+    commit"). Such rows stay in the table and leave the correction families.
+    results/caveats.yaml, same shape: what an audit found wrong with a confirmatory row's design
+    after its runs; the row keeps its test, its verdict and its families, and the caveat is
+    printed beside the verdict."""
+    path = root / name
     return yaml.safe_load(path.read_text()) or {} if path.exists() else {}
 
 
@@ -372,7 +375,7 @@ def claims(root: Path) -> pd.DataFrame:
     """Every registered endpoint's row; refuses (ValueError naming every problem) when a
     summary holds runs that cannot give its tests as registered."""
     rows, problems = [], []
-    audit = load_audit(root)
+    audit, caveats = load_audit(root), load_audit(root, "caveats.yaml")
     for exp in EXPERIMENTS:
         path = root / exp / "prereg.yaml"
         if not path.exists():
@@ -415,6 +418,8 @@ def claims(root: Path) -> pd.DataFrame:
                 # verdict nor enters the corrections
                 status = f"interim ({ran}/{prereg['seeds']} seeds)"
                 res = {**res, "verdict": f"interim, no verdict (so far: {res['verdict']})"}
+            if ep["name"] in caveats.get(exp, {}):
+                res = {**res, "verdict": f"{res['verdict']}; caveat: {caveats[exp][ep['name']]}"}
             rows.append(
                 {
                     "experiment": exp,

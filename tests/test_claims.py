@@ -588,3 +588,25 @@ def test_power_simulates_the_registered_event_against_a_naive_reference():
         event_rate({**stall, "event": "loops"}, flat)
     with pytest.raises(ValueError, match=r"base \+ gain=1.2"):
         reward_runs(rng, 1, 50, 32, 0.9, 0.3)
+
+
+def test_a_caveat_is_printed_beside_the_verdict_and_moves_no_family(tmp_path):
+    """results/caveats.yaml annotates a confirmatory row after its runs: same test, same
+    verdict, same Holm/BH values; the caveat's text follows the verdict."""
+    import shutil
+    from pathlib import Path
+
+    from analysis.claims import claims
+
+    src = Path(__file__).resolve().parents[1] / "results" / "smollm2_clip_confirm"
+    shutil.copytree(src, tmp_path / "smollm2_clip_confirm")
+    plain = claims(tmp_path).set_index("endpoint")
+    (tmp_path / "caveats.yaml").write_text(
+        yaml.safe_dump({"smollm2_clip_confirm": {"fix, stall": "a design flaw"}})
+    )
+    noted = claims(tmp_path).set_index("endpoint")
+    assert noted.loc["fix, stall", "verdict"] == plain.loc["fix, stall", "verdict"] + (
+        "; caveat: a design flaw"
+    )
+    cols = ["p", "p_holm", "q_bh", "kind", "survives"]
+    pd.testing.assert_frame_equal(noted[cols], plain[cols])
