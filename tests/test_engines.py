@@ -1,5 +1,6 @@
 import contextlib
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -206,7 +207,7 @@ def test_routing_record_and_replay_cut_the_mismatch(tiny_moe):
 
 
 def _fast_paths_off(eng: Engine) -> Engine:
-    eng._can_share_prefix = lambda: False
+    eng._row_local = lambda: False
     eng._can_decode_lean = lambda: False
     return eng
 
@@ -263,13 +264,13 @@ def test_fast_paths_under_noise(tiny_llama):
     ]:
         eng = Engine(model, tok, noise=[build_noise(name, **kw)])
         try:
-            assert eng._can_share_prefix() == share and not eng._can_decode_lean(), (name, kw)
+            assert eng._row_local() == share and not eng._can_decode_lean(), (name, kw)
             ro = eng.generate(["ab", "cd"], n=2, max_new_tokens=3, seed=0)
             groups = eng._prompt_groups(ro.tokens, ro.attention_mask, ro.n_prompt)
             assert (groups is not None) == share, (name, kw)
         finally:
             eng.close()
-    assert Engine(model, tok)._can_share_prefix() and Engine(model, tok)._can_decode_lean()
+    assert Engine(model, tok)._row_local() and Engine(model, tok)._can_decode_lean()
     assert not Engine(model, tok, kv_cache=False)._can_decode_lean()
 
 
@@ -285,7 +286,7 @@ def test_shared_prompt_prefill_under_row_local_noise_equals_the_per_row_path(tin
     for share in (True, False):
         eng = Engine(model, tok, noise=[build_noise(name, **kw)])
         if not share:
-            eng._can_share_prefix = lambda: False
+            eng._row_local = lambda: False
         out.append(eng.generate(["12+3=", "hello wo", "x"], n=3, max_new_tokens=10, seed=4))
         eng.close()
     fast, slow = out
@@ -417,16 +418,13 @@ def _threads(n: int):
 
 
 def _pruned_and_full(eng, prompts, threads=1, **kw):
-    """The same rollout with finished rows leaving the decode batch and with every row kept, at
-    `threads` intra-op threads."""
-    assert eng._can_prune()
+    """The same rollout with finished rows leaving the decode batch and with every row kept (a
+    prune floor of 0: never prune), at `threads` intra-op threads."""
+    assert eng._row_local()
     with _threads(threads):
-        try:
-            a = eng.generate(prompts, **kw)
-            eng._can_prune = lambda: False
+        a = eng.generate(prompts, **kw)
+        with mock.patch("harness.sampling.engines.prune_floor", return_value=0):
             b = eng.generate(prompts, **kw)
-        finally:
-            eng.__dict__.pop("_can_prune", None)
     return a, b
 
 

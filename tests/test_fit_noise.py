@@ -38,12 +38,11 @@ def test_fit_is_the_weighted_least_squares_of_the_gate():
 
 
 @pytest.mark.slow
-def test_fit_recovers_injected_logit_noise_and_the_check_reads_one(tmp_path, monkeypatch):
+def test_fit_recovers_injected_logit_noise_and_the_check_reads_one(tmp_path):
     """β = Gaussian logit noise σ = 0.05 in the HF sampler of the shipped countdown task model
     (its tokens spread over the confidence bins, unlike the tiny random model's): the fitted σ
     is within 15% of it; a measurement with the fitted noise reproduces the per-bin mean |Δ|
     (ratios ≈ 1) in every bin with enough tokens."""
-    monkeypatch.setattr(fit_noise, "NOISE_DIR", tmp_path / "noise")
     common = [
         *TINY,
         f"model.spec={TASK_MODEL}",
@@ -54,7 +53,7 @@ def test_fit_recovers_injected_logit_noise_and_the_check_reads_one(tmp_path, mon
     ]
     real = tmp_path / "real"
     measure.run(measure_cfg(real, *common, "noise=logit", "noise.sigma=0.05"))
-    fit_noise.main(["fit", str(real), "--name", "fitted_test"])
+    fit_noise.main(["fit", str(real), "--name", "fitted_test", "--out", str(tmp_path / "noise")])
     cfg = yaml.safe_load((tmp_path / "noise" / "fitted_test.yaml").read_text())
     assert cfg["name"] == "logit" and cfg["sigma"] == pytest.approx(0.05, rel=0.15)
     again = tmp_path / "again"

@@ -611,13 +611,9 @@ def test_verl_rejection_fraction_is_aliased_to_mask_frac():
 
 @pytest.mark.parametrize("name", sorted(PEER_DEFAULTS))
 def test_the_mechanism_check_reads_each_peer_objective(name):
-    """harness.train's step-0 check reads an objective's band and ε from its builder; a None
-    there (geo_mask's lo/hi) falls back to [0.5, 2], and the peers' ε is 0.2/0.2."""
-    from omegaconf import OmegaConf
-
-    from harness.rl.mechanism import band_and_eps
-
-    band, eps = band_and_eps(OmegaConf.create({"name": name}))
-    assert band == (0.5, 2.0) and eps in ((0.2, 0.2), (0.2, 0.28))
+    """harness.train's step-0 check asks the objective for its window: no peer declares a band
+    (geo_mask's is a sequence mask), and the peers' clip is 1 ∓ 0.2 (DAPO's 0.2/0.28 where none)."""
+    band, clip = build_objective(name).window()
+    assert band == (0.5, 2.0) and clip in ((0.8, 1.2), (0.8, 1.28))
     if name in ("geo_mask", "opsm", "rollout_rs"):
-        assert eps == (0.2, 0.2)
+        assert clip == (0.8, 1.2)

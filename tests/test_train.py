@@ -879,13 +879,14 @@ def test_raising_steps_extends_the_run_in_its_folder_and_out_leaves_no_hydra_onl
 def test_mechanism_check_by_hand():
     """Four tokens, band [0.5, 2], ε = 0.2/0.28: r = 0.4 (fork, A < 0), 1.0 (fork, A > 0),
     2.5 (confident, A > 0), 0.7 (confident, A < 0); the fifth position is padding."""
+    from harness.objectives.core import Window
     from harness.rl.mechanism import check
 
     x = torch.log(torch.tensor([[0.4, 1.0, 2.5, 0.7, 9.0]]))
     p_t = torch.tensor([[0.2, 0.4, 0.9, 0.95, 0.1]])
     adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    out = check(x, p_t, adv, mask)
+    out = check(x, p_t, adv, mask, Window())
     assert out["oob_frac"] == pytest.approx(2 / 4)  # 0.4 and 2.5
     assert out["mean_abs_delta"] == pytest.approx(
         sum(abs(math.log(r)) for r in [0.4, 1, 2.5, 0.7]) / 4
@@ -913,6 +914,65 @@ def test_mechanism_check_sees_no_mechanism_without_noise_and_some_with_it(
     assert noisy["band"] == [0.7, 6.0]
     assert noisy["oob_frac"] > 0.05 and noisy["neg_low_clip"] > 0.05
     assert 0 <= noisy["fork_oob_share"] <= 1 and 0 <= noisy["sampler_reward"] <= 1
+
+
+def own_band(
+    *,
+    low: float = 0.5,
+    high: float = 4.0,
+    aggregation: str = "token-mean",
+    rejected_in_denominator: bool = True,
+    norm_len: int | None = None,
+):
+    """A user's rule whose bounds are named `low`/`high`: a sign-agnostic band on π_θ/μ, and
+    the PPO clip at the same bounds."""
+    from harness.objectives.core import PolicyObjective, Term
+
+    return PolicyObjective(
+        Term("folded", "token", "clip", low, high),
+        aggregation=aggregation,
+        rejected_in_denominator=rejected_in_denominator,
+        norm_len=norm_len,
+        band=(low, high),
+    )
+
+
+@pytest.mark.parametrize(
+    "own, shared, band, clip",
+    [
+        # a user's rule under a name of its own, its window set through keywords named low/high
+        (
+            ["objective.name=own_band", "++objective.low=0.3", "++objective.high=3.0"],
+            [],
+            [0.3, 3.0],
+            [0.3, 3.0],
+        ),
+        # calibrated_clip starts at the paper's [0.6, 1.8], not at its reference 1 ∓ 0.2/0.28
+        (
+            ["objective=calibrated_clip"],
+            objective_overrides("calibrated_clip")[1:],
+            [0.5, 2.0],
+            [0.6, 1.8],
+        ),
+    ],
+)
+def test_the_mechanism_check_measures_the_objectives_own_window(
+    tmp_path, monkeypatch, alternating_reward, own, shared, band, clip
+):
+    """The step-0 check asks the built objective for its window, whatever its keywords' names,
+    and counts against it: beside ppo_clip's ([0.5, 2], [0.8, 1.28]) on the same tokens, a wider
+    band leaves fewer out of it and a wider clip clips fewer."""
+    from harness.rl import mechanism
+
+    monkeypatch.setitem(OBJECTIVES, "own_band", own_band)
+    noise = ["noise=logit", "noise.sigma=0.7", "noise.nu=3", *shared]
+    out = mechanism.run(_cfg(tmp_path / "own", *noise, *own))
+    ref = mechanism.run(_cfg(tmp_path / "ref", *noise))
+    assert out["band"] == band and out["clip"] == clip
+    assert ref["band"] == [0.5, 2.0] and ref["clip"] == [0.8, 1.28]
+    assert out["n_tokens"] == ref["n_tokens"] and out["mean_abs_delta"] == ref["mean_abs_delta"]
+    assert (out["oob_frac"] < ref["oob_frac"]) == (band != [0.5, 2.0])
+    assert out["neg_low_clip"] < ref["neg_low_clip"]
 
 
 def test_every_run_records_its_mechanism_check_and_it_does_not_move_the_run(tmp_path):

@@ -15,6 +15,8 @@ and unknown kwargs TypeError, both listing the valid ones. Training-loop contrac
     high-precision shadow pass on that step's last minibatch (see harness.objectives.calibrated);
   - `obj.refresh_due(step)` (snr_shrink adaptive): run a calibration pass at the live weights
     and hand it to `obj.refresh(Δ_cal, p_t)` before the step.
+  - `obj.window()`: the band and clip window the step-0 mechanism check (harness.rl.mechanism)
+    measures r = π_old/μ against; the reference [0.5, 2] and [0.8, 1.28] unless it declares its own.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from harness.objectives.core import (
     PolicyObjective,
     RatioCorrection,
     Term,
+    Window,
     choice,
 )
 from harness.objectives.methods import clip_term
@@ -102,6 +103,10 @@ class CalibratedClip(PolicyObjective):
 
     def calibration_due(self, step: int, steps: int) -> bool:
         return (step - 1) % calibration_every(steps, self.every) == 0
+
+    def window(self) -> Window:
+        """The clip acts on the current [L, H], not on the reference window `self.policy` keeps."""
+        return Window(self.band, (self.low, self.high))
 
     def __call__(self, logp: Tensor, batch: TokenBatch) -> ObjectiveOutput:
         out = super().__call__(logp, batch)

@@ -35,7 +35,7 @@ from harness.base.batch import (
     masked_mean,
 )
 from harness.base.registry import check_kwargs, lookup, register
-from harness.stats.diagnostics import SAFETY, ess
+from harness.stats.diagnostics import BAND, SAFETY, ess
 from harness.stats.repetition import PLACES
 
 OBJECTIVES: dict[str, Callable] = {}
@@ -56,10 +56,26 @@ class ObjectiveOutput:
     metrics: dict[str, float]
 
 
+class Window(NamedTuple):
+    """The ratio windows an objective acts on, as the step-0 mechanism check reads them
+    (harness.rl.mechanism): `band` is sign-agnostic (a band, mask or clamp acts outside it),
+    `clip` sign-conditioned (the PPO clip binds where A < 0 below clip[0], A > 0 above clip[1]).
+    A bound 0 or ∞ is no bound."""
+
+    band: tuple[float, float] = BAND
+    clip: tuple[float, float] = (0.8, 1.28)  # DAPO's 1 − 0.2, 1 + 0.28
+
+
 class Objective:
     """Base: `inputs` says what `__call__` takes; state is empty unless a subclass holds some."""
 
     inputs = "logp"  # obj(logp, batch); "logits" for opsd_fkl: obj(student, teacher, mask)
+
+    def window(self) -> Window:
+        """The windows the mechanism check measures r = π_old/μ against. The default is the
+        reference pair, [0.5, 2] and DAPO's clip: what a standard rule would act on, for an
+        objective with no window of its own."""
+        return Window()
 
     def refresh_due(self, step: int) -> bool:
         """Whether the loop runs a calibration pass at the live weights before `step` and hands
@@ -325,11 +341,21 @@ class PolicyObjective(Objective):
         aggregation: str = "token-mean",
         rejected_in_denominator: bool = True,
         norm_len: int | None = None,
+        band: tuple[float, float] = BAND,
     ) -> None:
         self.policy = policy
         self.corrections = corrections
         self.aggregate = aggregator(aggregation, norm_len)
         self.rejected_in_denominator = rejected_in_denominator
+        self.band = band
+
+    def window(self) -> Window:
+        """`band` as the builder declares it (which of a rule's bounds is its band, a clamp's cap
+        or a correction's mask, is the builder's to say); the clip window is the policy Term's
+        bounds where its treatment is the clip."""
+        if self.policy.treatment == "clip":
+            return Window(self.band, (self.policy.lo, self.policy.hi))
+        return Window(self.band)
 
     def bounds(self, batch: TokenBatch) -> tuple[Any, Any, Any]:
         """(λ, lo, hi) of the policy treatment; calibrated objectives override this."""

@@ -127,6 +127,7 @@ def mis(
         aggregation=aggregation,
         rejected_in_denominator=rejected_in_denominator,
         norm_len=norm_len,
+        band=(lo, hi),
     )
 
 
@@ -146,6 +147,7 @@ def cispo(
         aggregation=aggregation,
         rejected_in_denominator=rejected_in_denominator,
         norm_len=norm_len,
+        band=(lo, hi),
     )
 
 
@@ -165,6 +167,7 @@ def band(
         aggregation=aggregation,
         rejected_in_denominator=rejected_in_denominator,
         norm_len=norm_len,
+        band=(lo, hi),
     )
 
 
@@ -489,4 +492,5 @@ def grid(
         aggregation=aggregation,
         rejected_in_denominator=rejected_in_denominator,
         norm_len=norm_len,
+        band=(lo, hi),
     )

@@ -31,6 +31,7 @@ from harness.objectives.core import (
     RatioCorrection,
     Step,
     Term,
+    Window,
     at_level,
     choice,
     clamp,
@@ -421,6 +422,11 @@ class GeoMeanClip(PolicyObjective):
         super().__init__(Term("trust", "geometric", "clip"), **agg)
         self.eps_low, self.eps_high = eps_low, eps_high
 
+    def window(self) -> Window:
+        """verl's clip_ratio ε read as the ratio window [1 − ε_l, 1 + ε_h], as for the other
+        peers' ε (the clip itself bounds log r by ±ε, a window of e^∓ε)."""
+        return Window(self.band, (1 - self.eps_low, 1 + self.eps_high))
+
     def step(self, logp: Tensor, batch: TokenBatch) -> Step:
         adv = batch.advantages
         x = log_ratio(logp, batch, "trust")
@@ -550,6 +556,10 @@ class KLCov(PolicyObjective):
         positive("kl_cov_ratio", frac)
         super().__init__(Term("trust", "token", "clip", 0.0, math.inf), **agg)
         self.frac, self.coef = frac, coef
+
+    def window(self) -> Window:
+        """The [0, ∞) clip clips nothing: checked at the reference windows."""
+        return Window(self.band)
 
     def step(self, logp: Tensor, batch: TokenBatch) -> Step:
         s = super().step(logp, batch)  # the clip to [0, ∞) leaves max(−A r, −A r) = −A r

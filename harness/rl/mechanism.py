@@ -8,15 +8,16 @@ scores `batches` rollout batches and reports, on r = π_old/μ:
   oob_frac          share of response tokens with r outside the band [lo, hi]
   fork_oob_share    share of those out-of-band tokens that are forks (trainer p_t < 0.5)
   forks_deleted     share of fork tokens a reject rule with this band deletes
-  neg_low_clip      share of A < 0 tokens with r < 1 − ε_low: what the PPO lower bound clips
-                    when π_old := μ (the FP8 mechanism of Calibrated Clipping, arXiv 2609.22870)
-  pos_high_clip     share of A > 0 tokens with r > 1 + ε_high
+  neg_low_clip      share of A < 0 tokens with r below the clip window [L, H]: what the PPO
+                    lower bound clips when π_old := μ (the FP8 mechanism of Calibrated Clipping,
+                    arXiv 2609.22870)
+  pos_high_clip     share of A > 0 tokens with r > H
   sampler_reward    μ's own mean reward (β so large that μ earns nothing is past usable)
   teacher_acc, student_acc, teacher_ref_logp, student_ref_logp   (OPSD runs, distill.enabled)
                     the teacher (reference solution in its prompt) must beat its student
 
-The band is the objective's `lo`/`hi` when it has them, else [0.5, 2]; ε the objective's
-`eps_low`/`eps_high`, else 0.2/0.28.
+The band and the clip window are what the run's objective declares (`Objective.window`): a
+builder's band, a clip's bounds, calibrated_clip's current [L, H]; else [0.5, 2] and [0.8, 1.28].
 
     python -m harness.rl.mechanism experiment=collapse_reject_vs_clamp [mechanism_batches=4]
 
@@ -39,13 +40,12 @@ from torch import Tensor
 from harness.base import distributed
 from harness.base.distributed import ONE, Ranks
 from harness.base.io import write_json_atomic, write_text_atomic
+from harness.objectives.core import Window
 from harness.rl.setup import build_setup, r2, rollout_sampling, step_seed
 from harness.rl.step import collect, gather_batch, share_rows
 from harness.runs import config as _config  # noqa: F401  (registers train_schema)
 from harness.runs.validate import validate
-from harness.stats.diagnostics import BAND, FORK_P, fork_oob_share, out_of_band, out_of_band_frac
-
-EPS = (0.2, 0.28)
+from harness.stats.diagnostics import FORK_P, fork_oob_share, out_of_band, out_of_band_frac
 
 
 def _share(hit: Tensor, among: Tensor) -> float:
@@ -53,16 +53,15 @@ def _share(hit: Tensor, among: Tensor) -> float:
     return float((hit & among).sum()) / n if n else float("nan")
 
 
-def check(
-    x: Tensor,
-    p_t: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    band: tuple[float, float] = BAND,
-    eps: tuple[float, float] = EPS,
-) -> dict[str, float]:
+def bounded(window: tuple[float, float]) -> tuple[float, float]:
+    """A lower bound 0 (none) as the smallest positive double, so its log is finite."""
+    return max(window[0], 1e-300), window[1]
+
+
+def check(x: Tensor, p_t: Tensor, adv: Tensor, mask: Tensor, window: Window) -> dict[str, float]:
     """The step-0 numbers on the log-ratio x = log π_old − log μ ([B, T]), the trainer's p_t,
-    the per-token advantages and the response mask."""
+    the per-token advantages and the response mask, against the objective's `window`."""
+    band, (lo, hi) = bounded(window.band), bounded(window.clip)
     m = mask.bool()
     fork = m & (p_t < FORK_P)
     return {
@@ -71,30 +70,9 @@ def check(
         "fork_oob_share": fork_oob_share(x, p_t, mask, band),
         "fork_frac": _share(fork, m),
         "forks_deleted": _share(out_of_band(x, band), fork),
-        "neg_low_clip": _share(x < math.log1p(-eps[0]), m & (adv < 0)),
-        "pos_high_clip": _share(x > math.log1p(eps[1]), m & (adv > 0)),
+        "neg_low_clip": _share(x < math.log(lo), m & (adv < 0)),
+        "pos_high_clip": _share(x > math.log(hi), m & (adv > 0)),
     }
-
-
-def band_and_eps(objective: DictConfig) -> tuple[tuple[float, float], tuple[float, float]]:
-    """The objective's band and ε: its node's values, else its builder's defaults (the group
-    files hold only the name), else [0.5, 2] and 0.2/0.28 (also where a value is None: geo_mask's
-    lo/hi, which then take its metric's bounds)."""
-    import inspect
-
-    from harness.objectives import OBJECTIVES
-
-    params = inspect.signature(OBJECTIVES[objective.name]).parameters
-    kw = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
-    kw.update({k: v for k, v in objective.items() if k != "name"})
-    lo, hi = (float(d if kw.get(k) is None else kw[k]) for k, d in zip(("lo", "hi"), BAND))
-    band = (max(lo, 1e-300), hi)  # lo = 0: no lower bound
-    eps_low, eps_high = kw.get("eps_low"), kw.get("eps_high")
-    eps = (
-        EPS[0] if eps_low is None else float(eps_low),
-        EPS[1] if eps_high is None else float(eps_high),
-    )
-    return band, eps
 
 
 @torch.no_grad()
@@ -110,7 +88,7 @@ def run(cfg: DictConfig, validated: bool = False, ranks: Ranks = ONE) -> dict[st
         raise ValueError(f"mechanism_batches={cfg.mechanism_batches}; valid: >= 1")
     s = build_setup(cfg, ranks)
     sampling = rollout_sampling(cfg, s.task)
-    band, eps = band_and_eps(cfg.objective)
+    window = s.objective.window()
     parts, rewards, seen = [], [], []
     for step in range(1, cfg.mechanism_batches + 1):
         seed = step_seed(cfg.seed, step)  # the run's own first prompts and samples
@@ -136,15 +114,15 @@ def run(cfg: DictConfig, validated: bool = False, ranks: Ranks = ONE) -> dict[st
         rewards.append(rew)
     s.sampler.close()
     x, p_t, adv, mask = (torch.cat([p[k].flatten() for p in parts])[None] for k in range(4))
-    out = check(x, p_t, adv, mask, band, eps)
+    out = check(x, p_t, adv, mask, window)
     if s.teacher is not None:
         out |= opsd_check(s, cfg, seen, sampling.max_new_tokens)
     return {
         **out,
         "sampler_reward": float(torch.cat(rewards).mean()),
         "n_tokens": int(mask.sum()),
-        "band": list(band),
-        "eps": list(eps),
+        "band": list(bounded(window.band)),
+        "clip": list(bounded(window.clip)),
         "batches": cfg.mechanism_batches,
     }
 

@@ -1,6 +1,6 @@
 """One GRPO step, written once, around the three policies.
 
-    batch, ro = collect(sampler, old_policy, prompts, reward, sampling, seed=..)   # μ, r, A, π_old
+    batch, ro, rewards = collect(sampler, old_policy, prompts, reward, sampling, seed=..)
     batch, metrics, skipped = update(policy, objective, batch, ro, schedule, opt, grad_clip)
 
 `sampler` (μ), `old_policy` (π_old: the trainer's weights at the behaviour version) and `policy`

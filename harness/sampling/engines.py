@@ -302,7 +302,7 @@ class Engine(Sampler):
         ids, attn = self.encode_prompts(prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)
         cache = DynamicCache() if self.kv_cache else None
-        if n > 1 and cache is not None and self._can_share_prefix():
+        if n > 1 and cache is not None and self._row_local():
             # shared prompt prefill: each prompt once, then its KV cache and next-token logits
             # are repeated for its n samples (the same numbers a per-row prefill computes)
             h = prefix_hash(ids, attn)
@@ -329,11 +329,11 @@ class Engine(Sampler):
         dev = self.device
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         # rows still decoding: finished rows leave the decode batch when the noise allows it
-        # (`_can_prune`), never below `prune_floor()` rows; the same numbers either way (the
+        # (`_row_local`), never below `prune_floor()` rows; the same numbers either way (the
         # sampler's random draws are made for all B rows)
         live = torch.arange(B, device=dev)
         floor = prune_floor(dev, next(self.model.parameters()).dtype)
-        prune = self._can_prune() and floor > 0
+        prune = self._row_local() and floor > 0
         toks, mus, masks, sups = [], [], [], []
         # the law sampled from is the raw one when T = 1 and nothing is truncated: one log-softmax
         plain = temperature == 1.0 and not truncated
@@ -414,19 +414,14 @@ class Engine(Sampler):
 
     # --- trainer ---------------------------------------------------------------------------
 
-    def _can_share_prefix(self) -> bool:
-        """Prompt sharing (one prefill per distinct prompt, KV cache repeated) computes the same
-        numbers as per-row prefill up to float rounding, and so does row-local noise (keyed by
-        each token's prefix, or FP8 scaled per row or tile: a shared prompt gets the same noise
-        in every row). Noise that keys on rows or the batch's shape (fresh noise, `batch`,
-        routing records and replay, per-tensor activation scales) makes every row run in full."""
-        return all(n.row_local for n in self.noise)
-
-    def _can_prune(self) -> bool:
-        """Finished rows may leave the decode batch when no attached noise model depends on
-        which rows share the batch (`NoiseModel.row_local`): with none attached, or only
-        row-local ones (noise keyed by each row's own token prefix), the live rows' numbers do
-        not change when the others leave (tests/test_engines.py)."""
+    def _row_local(self) -> bool:
+        """Whether every attached noise model is row-local (`NoiseModel.row_local`: keyed by
+        each token's prefix, or FP8 scaled per row or tile), so that a row's numbers do not depend
+        on which rows share its batch. Then a shared prompt prefill (one per distinct prompt, KV
+        cache repeated) computes the per-row numbers up to float rounding, and finished rows may
+        leave the decode batch without changing the live rows' (tests/test_engines.py). Noise
+        that keys on rows or the batch's shape (fresh noise, `batch`, routing records and
+        replay, per-tensor activation scales) makes every row run in full."""
         return all(n.row_local for n in self.noise)
 
     def _can_decode_lean(self) -> bool:
@@ -477,7 +472,7 @@ class Engine(Sampler):
         two rows share a prompt (or sharing is off). Off too in a pass with grad under activation
         checkpointing (the shared prefix reaches the rows through a KV cache, which a recomputed
         layer cannot write again) or sharding (FSDP runs each layer's backward once per forward)."""
-        if not self._can_share_prefix() or tokens.shape[0] < 2:
+        if not self._row_local() or tokens.shape[0] < 2:
             return None
         if (self._checkpointed or self.sharded) and torch.is_grad_enabled():
             return None

@@ -1,14 +1,15 @@
 """Fit injected logit noise to a measured real-engine β, and check the fit.
 
-    python -m harness.stats.fit_noise fit RUN [--name NAME]      # RUN: a harness.measure folder
+    python -m harness.stats.fit_noise fit RUN [--name NAME] [--out DIR]   # RUN: a measure folder
     python -m harness.stats.fit_noise check RUN FITTED_RUN         # per-bin fit quality
 
 `fit` reads the calibration pass of RUN (per_bin.csv: per confidence bin the measured mean |Δ| and
 the trainer's gate E√(1 − 2p_t + ‖p‖²)) and fits Gaussian logit noise z ← z + σε to it. To first
 order Δ_t ≈ (e_t − p)ᵀε, a Gaussian of variance σ²(1 − 2p_t + ‖p‖²) (the SNR post's softmax gate,
 §2), so |Δ| per bin is ≈ √(2/π)·σ·E√(gate) and σ is the token-weighted least-squares fit of the
-measured per-bin means. It writes experiments/noise/<NAME>.yaml, a noise config any preset can use
-(`noise=<NAME>`, scaled as `noise.sigma=...`), with the run it came from in its header. `check`
+measured per-bin means. It writes DIR/<NAME>.yaml (default: the checkout's experiments/noise/,
+where `noise=<NAME>` finds it), a noise config any preset can use (`noise=<NAME>`, scaled as
+`noise.sigma=...`), with the run it came from in its header. `check`
 compares a measurement with that noise (FITTED_RUN: the same job, `noise=<NAME>`, the HF sampler)
 against RUN per bin: the ratios fitted / real of mean |Δ| and of its p50, p90, p99 — 1 where the
 injected noise reproduces the real engine's; the p99 ratio says whether the tail is as heavy.
@@ -53,7 +54,7 @@ def fit_logit_sigma(bins: pd.DataFrame) -> tuple[float, pd.DataFrame]:
     return sigma, table
 
 
-def write_config(name: str, sigma: float, run: Path, table: pd.DataFrame) -> Path:
+def write_config(out: Path, name: str, sigma: float, run: Path, table: pd.DataFrame) -> Path:
     summary = json.loads((Path(run) / "summary.json").read_text())
     rows = "\n".join(
         f"#   p_t [{r.bin_lo:g}, {r.bin_hi:g}): n {r.n:.0f}, measured {r.mean_abs_delta:.3g}, "
@@ -71,7 +72,7 @@ def write_config(name: str, sigma: float, run: Path, table: pd.DataFrame) -> Pat
         f"sigma: {sigma:.6g}\n"
         "seed: ${seed}\n"
     )
-    return write_text_atomic(NOISE_DIR / f"{name}.yaml", text)
+    return write_text_atomic(Path(out) / f"{name}.yaml", text)
 
 
 def fit_quality(real: pd.DataFrame, fitted: pd.DataFrame) -> pd.DataFrame:
@@ -91,13 +92,19 @@ def main(argv: list[str] | None = None) -> None:
     f = sub.add_parser("fit")
     f.add_argument("run", type=Path)
     f.add_argument("--name", default="fitted")
+    f.add_argument(
+        "--out",
+        type=Path,
+        default=NOISE_DIR,
+        help=f"folder for <NAME>.yaml (default: {NOISE_DIR}, the noise group `noise=<NAME>` reads)",
+    )
     c = sub.add_parser("check")
     c.add_argument("run", type=Path)
     c.add_argument("fitted_run", type=Path)
     a = p.parse_args(argv)
     if a.cmd == "fit":
         sigma, table = fit_logit_sigma(calibration_bins(a.run))
-        path = write_config(a.name, sigma, a.run, table)
+        path = write_config(a.out, a.name, sigma, a.run, table)
         print(table.to_string(index=False, float_format="%.4g"))
         print(f"[fit_noise] logit σ = {sigma:.4g} → {path} (noise={a.name})")
         return
