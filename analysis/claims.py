@@ -231,8 +231,8 @@ def broken_pairs(runs: pd.DataFrame, control: str) -> dict[tuple[int, str], str]
     seed. Step 1 is sampled before any update, so runs paired by seed see one batch whatever
     their objective: their fingerprints (FINGERPRINTS) agree where both recorded them; for runs
     without, their step-1 reward, length, entropy and dials agree to the summary's precision
-    (issue 53: seed 603's calibrated run, step-1 reward 0.375 vs 0.281, ran on another
-    machine)."""
+    (smollm2_clip_confirm: seed 603's calibrated run, step-1 reward 0.375 vs 0.281, ran on
+    another machine)."""
     first = runs[runs.step == 1].set_index(["seed", "arm"])
     out = {}
     for (seed, arm), row in first.iterrows():

@@ -1,4 +1,4 @@
-"""Power of a registered event by simulating it, not by assuming its rate (issue 53).
+"""Power of a registered event by simulating it, not by assuming its rate.
 
     python -m analysis.power EXPERIMENT [--base 0.3] [--gain 0.3] [--runs 2000] [--seed 0]
 

@@ -544,7 +544,7 @@ def test_the_paired_test_leaves_out_broken_pairs_and_is_sided_as_the_registered_
     assert paired_test(x.loc[["T"]], cont, "T", "C") == {}  # no control arm: no p
 
 
-def test_the_committed_clip_confirm_gives_the_paired_numbers_of_issue_53():
+def test_the_committed_clip_confirm_gives_its_paired_numbers():
     """From the committed summary: the primary (stall, failure vs control) 5/6 vs 0/6, all five
     discordant pairs the predicted way: sign test 1/32 = 0.031 beside Fisher's 0.0076; seed
     603's calibrated run did not see its pair's step-1 batch and is the only one marked."""
@@ -571,7 +571,7 @@ def test_power_simulates_the_registered_event_against_a_naive_reference():
     """Runs that do not learn (32 Bernoulli(0.3) rewards a step, 50 steps): the stall event
     (analysis.events) agrees run by run with a direct reading of its definition (the 10-step
     running mean never rises 0.05 above the steps 1–10 mean), and happens in about two thirds
-    of them (issue 53: a flat run crosses the 0.05 rise 36% of the time); runs whose reward
+    of them (a flat run crosses the 0.05 rise about a third of the time); runs whose reward
     rises 0.3 → 0.6 hardly ever stall."""
     from analysis.power import event_rate, reward_runs
 
