@@ -291,7 +291,7 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
 
 @hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    return run_task(run, cfg)
+    return run_task(run, cfg, check=validate)
 
 
 if __name__ == "__main__":

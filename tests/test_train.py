@@ -681,6 +681,24 @@ def test_a_refused_rerun_leaves_the_finished_runs_record_as_it_was(tmp_path):
     assert not (tmp_path / "traceback.txt").exists()
 
 
+def test_a_rerun_refused_by_validation_leaves_the_finished_runs_record_as_it_was(tmp_path):
+    """A typo'd keyword (check_nodes) or a bad value (validate, as harness.train's main checks)
+    on the rerun of a finished run: refused before compute, naming the key; meta.json stays the
+    finished run's, status `completed`."""
+    from harness.runs.launch import run_task
+
+    run_task(train.run, _cfg(tmp_path, "steps=2"))
+    meta = (tmp_path / "meta.json").read_text()
+    with pytest.raises(TypeError, match="eps"):
+        run_task(train.run, _cfg(tmp_path, "steps=2", "objective.eps=0.2"))
+    assert (tmp_path / "meta.json").read_text() == meta
+    with pytest.raises(ValueError, match=r"optim.lr=-1.0; valid: > 0"):
+        run_task(train.run, _cfg(tmp_path, "steps=2", "optim.lr=-1.0"), check=validate.validate)
+    assert (tmp_path / "meta.json").read_text() == meta
+    assert json.loads(meta)["status"] == "completed"
+    assert not (tmp_path / "traceback.txt").exists()
+
+
 def test_a_run_written_before_a_new_default_resumes_under_it(tmp_path):
     """A run folder whose config.yaml predates a schema field (written without it) or restated a
     builder default the group file no longer holds resumes strictly: missing keys read as the

@@ -6,9 +6,11 @@ Inside a job (`train.main`, `measure.main`):
     def main(cfg):
         return run_task(run, cfg)
 
-`run_task` resolves the run directory (`cfg.out`, made absolute), checks the swept-axis nodes
-against their builders before any compute (`check_nodes`), records `meta.json` (git SHA and dirty
-flag, package versions, host, Slurm job / array ids, start and end time, status), and on an
+`run_task` resolves the run directory (`cfg.out`, made absolute), checks the config before any
+compute (`check`: the swept-axis nodes against their builders, or the task's own validation), then
+records `meta.json` (git SHA and dirty flag, package versions, host, Slurm job / array ids, start
+and end time, status): a config refused there or by the resume contract (`RefusedRerun`) leaves
+the folder's record as it was (a finished run stays `completed`). On an
 exception writes the traceback to `<run>/traceback.txt` and stderr and attaches it to the
 exception (`add_note`), because Hydra and submitit hand the driver the exception without its
 traceback. Requeued jobs re-run the task from the top in the same directory: the task resumes from
@@ -159,9 +161,13 @@ def adopt_hydra_record(run: Path, keep: bool = True) -> None:
         hydra_dir.rmdir()
 
 
-def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
-    """Run `fn(cfg)` as one recorded task in its run directory (see the module docstring).
-    Sets `cfg.out` to the absolute run directory before calling `fn`."""
+def run_task(
+    fn: Callable[[DictConfig], T],
+    cfg: DictConfig,
+    check: Callable[[DictConfig], None] = check_nodes,
+) -> T:
+    """Run `fn(cfg)` as one recorded task in its run directory (see the module docstring), after
+    `check(cfg)`. Sets `cfg.out` to the absolute run directory before calling `fn`."""
     run = run_dir(cfg)
     run.mkdir(parents=True, exist_ok=True)
     if "out" in cfg:
@@ -170,9 +176,10 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
 
     if environment().rank != 0:  # rank 0 keeps the run's record
         adopt_hydra_record(run, keep=False)
-        check_nodes(cfg)
+        check(cfg)
         return fn(cfg)
     adopt_hydra_record(run)
+    check(cfg)  # before the attempt is recorded: a refused rerun leaves the run's meta.json as is
     attempt = {
         "start_time": _now(),
         "host": socket.gethostname(),
@@ -202,7 +209,6 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     (run / "traceback.txt").unlink(missing_ok=True)
     t0 = time.time()
     try:
-        check_nodes(cfg)
         result = fn(cfg)
     except RefusedRerun:  # nothing ran: the folder's record stays the finished run's
         if before is None:
