@@ -725,6 +725,16 @@ def test_resume_override_applies_the_new_learning_rate_and_records_it(tmp_path):
     assert meta["config_overrides"] == [{"from_step": 3, "changed": {"optim.lr": [1e-3, 1e-4]}}]
 
 
+def test_an_override_that_runs_no_step_leaves_the_runs_config_and_record(tmp_path):
+    """`resume=override optim.lr=1e-5` on a finished run runs nothing: config.yaml keeps the lr
+    the run used and meta.json records no override."""
+    train.run(_cfg(tmp_path, "steps=2", "optim.lr=1e-4"))
+    config = (tmp_path / "config.yaml").read_text()
+    train.run(_cfg(tmp_path, "steps=2", "optim.lr=1e-5", "resume=override"))
+    assert (tmp_path / "config.yaml").read_text() == config
+    assert "config_overrides" not in json.loads((tmp_path / "meta.json").read_text())
+
+
 def test_a_finished_run_whose_checkpoints_were_removed_is_refused_not_restarted(tmp_path):
     """A finished run's checkpoints removed to free disk: rerunning its folder would start
     afresh and erase its log, so it is refused before any compute, and the log is untouched.
