@@ -10,9 +10,11 @@ figure scripts read only that CSV, through `load_summary`. Shared plotting helpe
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import inspect
 import json
+import math
 import os
 import sys
 import warnings
@@ -173,37 +175,73 @@ def noise_node(cfg: dict) -> dict:
     return {k[len("noise.") :]: v for k, v in eff.items() if k.startswith("noise.")}
 
 
+def with_values(cfg: dict, values: dict) -> dict:
+    """A copy of the nested config `cfg` with its dotted keys `values` set."""
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def config_segments(cfg: dict, overrides: list[dict]) -> list[tuple[int, dict]]:
+    """The configs a run trained under, oldest first, each with the first step it governed:
+    config.yaml holds the last; each `resume=override` record in meta.json (`config_overrides`:
+    from_step and {dotted key: [old, new]}) gives, from its old values, the one before it."""
+    segments, current = [], cfg
+    for record in reversed(overrides):
+        segments.append((record["from_step"], current))
+        old = {k: old for k, (old, _) in record["changed"].items()}
+        current = with_values(current, old)
+    return [(1, current), *reversed(segments)]
+
+
+def config_columns(cfg: dict) -> dict:
+    """The summary's columns that a run's config gives (one config: a step's)."""
+    noise = noise_node(cfg)
+    return {
+        "seed": cfg["seed"],
+        "objective": cfg["objective"]["name"],
+        "noise": noise["name"],
+        "sigma": noise.get("sigma"),
+        "staleness": cfg["alpha"]["staleness"],
+        "minibatches": cfg["alpha"].get("minibatches"),
+        "lr": cfg.get("optim", {}).get("lr"),
+        "logp_old_source": cfg["engine"]["logp_old_source"],
+        "steps": cfg["steps"],
+    }
+
+
 def load_raw(root: Path, exp: str) -> pd.DataFrame:
-    """One row per (run, step) over the raw run folders of `exp`, with config columns."""
+    """One row per (run, step) over the raw run folders of `exp`, with config columns: each
+    step's own config (`config_segments`: a run resumed with `resume=override` changed some)."""
     frames = []
     for run in sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl")):
         cfg = yaml.safe_load((run / "config.yaml").read_text())
-        noise = noise_node(cfg)
         meta_path = run / "meta.json"
-        model = json.loads(meta_path.read_text()).get("model", {}) if meta_path.exists() else {}
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        model = meta.get("model", {})
         m = pd.DataFrame(
             [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().split("\n") if ln]
         )
         if m.empty:
             continue
         m = m.reindex(columns=["step", *METRICS]).rename(columns=lambda c: c.replace("/", "_"))
-        frames.append(
-            m.assign(
-                run=run.name,
-                arm=arm_label(exp, cfg),
-                seed=cfg["seed"],
-                objective=cfg["objective"]["name"],
-                noise=noise["name"],
-                sigma=noise.get("sigma"),
-                staleness=cfg["alpha"]["staleness"],
-                minibatches=cfg["alpha"].get("minibatches"),
-                lr=cfg.get("optim", {}).get("lr"),
-                logp_old_source=cfg["engine"]["logp_old_source"],
-                steps=cfg["steps"],
-                weights_sha=model.get("weights_sha"),
-                recipe_hash=model.get("recipe_hash"),
+        segments = config_segments(cfg, meta.get("config_overrides", []))
+        ends = [start for start, _ in segments[1:]] + [math.inf]
+        for (start, step_cfg), end in zip(segments, ends, strict=True):
+            frames.append(
+                m[(m.step >= start) & (m.step < end)].assign(
+                    run=run.name,
+                    arm=arm_label(exp, cfg),
+                    **config_columns(step_cfg),
+                    weights_sha=model.get("weights_sha"),
+                    recipe_hash=model.get("recipe_hash"),
+                )
             )
-        )
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 

@@ -725,6 +725,19 @@ def test_resume_override_applies_the_new_learning_rate_and_records_it(tmp_path):
     assert meta["config_overrides"] == [{"from_step": 3, "changed": {"optim.lr": [1e-3, 1e-4]}}]
 
 
+def test_the_summary_reports_each_steps_config_after_an_override(tmp_path):
+    """A 3-step run at lr 1e-4 extended with `steps=5 optim.lr=1e-3 resume=override`: the
+    summary's lr is 1e-4 for steps 1–3 and 1e-3 for steps 4–5 (meta.json's override record)."""
+    from analysis.runs import load_raw
+
+    run = tmp_path / "exp" / "run"
+    train.run(_cfg(run, "steps=3", "optim.lr=1e-4"))
+    train.run(_cfg(run, "steps=5", "optim.lr=1e-3", "resume=override"))
+    df = load_raw(tmp_path, "exp")
+    assert df.step.tolist() == [1, 2, 3, 4, 5]
+    assert df.lr.tolist() == [1e-4, 1e-4, 1e-4, 1e-3, 1e-3]
+
+
 def test_an_override_that_runs_no_step_leaves_the_runs_config_and_record(tmp_path):
     """`resume=override optim.lr=1e-5` on a finished run runs nothing: config.yaml keeps the lr
     the run used and meta.json records no override."""
