@@ -42,9 +42,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, read_write
 
 from harness.base.io import RefusedRerun, write_json_atomic, write_text_atomic
+from harness.runs.presubmit import sweep_points
 from harness.runs.validate import check_nodes
 
 T = TypeVar("T")
@@ -63,7 +64,7 @@ SLURM_ENV = {
     "restart_count": "SLURM_RESTART_COUNT",
     "node": "SLURMD_NODENAME",
 }
-__all__ = ["run_task", "update_meta", "SlurmGuard"]
+__all__ = ["run_task", "update_meta", "SlurmGuard", "SweepAxes"]
 
 
 def _now() -> str:
@@ -355,6 +356,35 @@ class SlurmGuard(Callback):
                 f"[launch] sweep aborted: scancel {' '.join(live)} (rc {r.returncode})",
                 file=sys.stderr,
             )
+
+
+AXES_ENV = "RATIOLAB_SWEEP_AXES"  # hydra.job.env_set key: the sweep's axes, for run_name
+
+
+def sweep_axes(points: list[list[str]]) -> list[str]:
+    """The keys whose value differs between a sweep's points (their override lists)."""
+    values: dict[str, set[str]] = {}
+    for point in points:
+        for override in point:
+            key, _, value = override.partition("=")
+            values.setdefault(key.lstrip("+~"), set()).add(value)
+    return sorted(key for key, seen in values.items() if len(seen) > 1)
+
+
+class SweepAxes(Callback):
+    """Run folders named by what tells a sweep's points apart (train.yaml installs it; a no-op
+    outside `-m`): on the driver, before any job is composed, the keys the sweep varies become
+    `hydra.job.env_set.RATIOLAB_SWEEP_AXES` of every job (a Hydra override, which the launchers
+    re-apply to each job's config), and `harness.runs.config.run_name` keeps their items whole in
+    a long folder name, hashing the rest. Only the driver sees the whole sweep: a job's own
+    overrides do not say which of its keys the sweep varied."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        axes = sweep_axes(sweep_points(config))
+        if axes:
+            with read_write(config.hydra.overrides):
+                override = f"++hydra.job.env_set.{AXES_ENV}='{','.join(axes)}'"
+                config.hydra.overrides.hydra.append(override)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
