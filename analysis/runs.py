@@ -10,9 +10,11 @@ figure scripts read only that CSV, through `load_summary`. Shared plotting helpe
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import inspect
 import json
+import math
 import os
 import sys
 import warnings
@@ -182,6 +184,21 @@ def arm_label(exp: str, cfg: dict) -> str:
     return labels[0] if labels else cfg["objective"]["name"]
 
 
+# config keys that do not define what a run trains: where and how it reports, and the
+# experiment's own declarations
+NOT_RECIPE = ("progress", "out", "name", "arms", "prereg")
+
+
+def run_recipe(cfg: dict) -> dict:
+    """What a run trains, flattened (dotted keys) with the defaults it left out filled in."""
+    return {k: v for k, v in effective(flatten(cfg)).items() if k.split(".")[0] not in NOT_RECIPE}
+
+
+def is_seed(key: str) -> bool:
+    """A seed key: runs are paired by it, it never tells an arm or a recipe apart."""
+    return key == "seed" or key.endswith(".seed")
+
+
 def noise_node(cfg: dict) -> dict:
     """A run's noise node with the builder's defaults filled in (group files state only what
     differs from harness.noise's signatures, so σ may be absent from config.yaml)."""
@@ -189,43 +206,126 @@ def noise_node(cfg: dict) -> dict:
     return {k[len("noise.") :]: v for k, v in eff.items() if k.startswith("noise.")}
 
 
+def with_values(cfg: dict, values: dict) -> dict:
+    """A copy of the nested config `cfg` with its dotted keys `values` set."""
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def config_segments(cfg: dict, overrides: list[dict]) -> list[tuple[int, dict]]:
+    """The configs a run trained under, oldest first, each with the first step it governed:
+    config.yaml holds the last; each `resume=override` record in meta.json (`config_overrides`:
+    from_step and {dotted key: [old, new]}) gives, from its old values, the one before it."""
+    segments, current = [], cfg
+    for record in reversed(overrides):
+        segments.append((record["from_step"], current))
+        old = {k: old for k, (old, _) in record["changed"].items()}
+        current = with_values(current, old)
+    return [(1, current), *reversed(segments)]
+
+
+# the dotted keys that config_columns' own columns report
+COLUMN_KEYS = {
+    "seed",
+    "objective.name",
+    "noise.name",
+    "noise.sigma",
+    "alpha.staleness",
+    "alpha.minibatches",
+    "optim.lr",
+    "engine.logp_old_source",
+    "steps",
+}
+
+
+def config_columns(cfg: dict, swept: list[str]) -> dict:
+    """The summary's columns that a run's config gives (one config: a step's): the recipe's
+    usual keys, then each swept key of the experiment under its dotted name."""
+    noise, values = noise_node(cfg), run_recipe(cfg)
+    return {
+        "seed": cfg["seed"],
+        "objective": cfg["objective"]["name"],
+        "noise": noise["name"],
+        "sigma": noise.get("sigma"),
+        "staleness": cfg["alpha"]["staleness"],
+        "minibatches": cfg["alpha"].get("minibatches"),
+        "lr": cfg.get("optim", {}).get("lr"),
+        "logp_old_source": cfg["engine"]["logp_old_source"],
+        "steps": cfg["steps"],
+        **{key: values.get(key) for key in swept},
+    }
+
+
+def sweep_axes(recipes: list[dict], swept: list[set[str]]) -> list[str]:
+    """The keys a sweep varied among these runs: set on every run's command line (a group
+    choice, `objective=band`, sets its node's keys) and not of one value in all; seeds aside."""
+    common = set.intersection(*swept) if swept else set()
+    return sorted(
+        key
+        for key in set().union(*recipes)
+        if any(key == k or key.startswith(f"{k}.") for k in common)
+        and not is_seed(key)
+        and len({repr(r.get(key)) for r in recipes}) > 1
+    )
+
+
+def swept_labels(exp: str, cfgs: dict[Path, dict]) -> tuple[dict[Path, str], list[str]]:
+    """Each run's arm label and the swept keys that become summary columns. Within an arm
+    (`arm_label`), a key the sweep varied joins the label as `arm, key=value`, so no arm holds two
+    runs of one seed; a key with its own column (COLUMN_KEYS: σ, staleness, lr, ...) is told
+    apart there, as the dose curves and the phase diagram read it, and stays out of the label."""
+    recipes = {run: run_recipe(cfg) for run, cfg in cfgs.items()}
+    swept = {run: swept_keys(run) for run in cfgs}
+    base = {run: arm_label(exp, cfg) for run, cfg in cfgs.items()}
+    columns = set(sweep_axes(list(recipes.values()), list(swept.values())))
+    labels = {}
+    for arm in set(base.values()):
+        members = [run for run in cfgs if base[run] == arm]
+        axes = sweep_axes([recipes[r] for r in members], [swept[r] for r in members])
+        own = [key for key in axes if key not in COLUMN_KEYS]
+        columns |= set(own)
+        for run in members:
+            labels[run] = ", ".join([arm, *(f"{key}={recipes[run].get(key)}" for key in own)])
+    return labels, sorted(columns - COLUMN_KEYS)
+
+
 def load_raw(root: Path, exp: str) -> pd.DataFrame:
-    """One row per (run, step) over the raw run folders of `exp`, with config columns."""
+    """One row per (run, step) over the raw run folders of `exp`, with config columns, one per
+    swept key among them (`swept_labels`), each from the step's own config (`config_segments`:
+    a run resumed with `resume=override` changed some)."""
+    runs = sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl"))
+    cfgs = {run: yaml.safe_load((run / "config.yaml").read_text()) for run in runs}
+    labels, swept = swept_labels(exp, cfgs)
     frames = []
-    for run in sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl")):
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
-        noise = noise_node(cfg)
+    for run, cfg in cfgs.items():
         meta_path = run / "meta.json"
-        model = json.loads(meta_path.read_text()).get("model", {}) if meta_path.exists() else {}
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        model = meta.get("model", {})
         m = pd.DataFrame(
             [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().split("\n") if ln]
         )
         if m.empty:
             continue
         m = m.reindex(columns=["step", *METRICS]).rename(columns=lambda c: c.replace("/", "_"))
-        frames.append(
-            m.assign(
-                run=run.name,
-                arm=arm_label(exp, cfg),
-                seed=cfg["seed"],
-                objective=cfg["objective"]["name"],
-                noise=noise["name"],
-                sigma=noise.get("sigma"),
-                staleness=cfg["alpha"]["staleness"],
-                minibatches=cfg["alpha"].get("minibatches"),
-                lr=cfg.get("optim", {}).get("lr"),
-                logp_old_source=cfg["engine"]["logp_old_source"],
-                steps=cfg["steps"],
-                weights_sha=model.get("weights_sha"),
-                recipe_hash=model.get("recipe_hash"),
+        segments = config_segments(cfg, meta.get("config_overrides", []))
+        ends = [start for start, _ in segments[1:]] + [math.inf]
+        for (start, step_cfg), end in zip(segments, ends, strict=True):
+            frames.append(
+                m[(m.step >= start) & (m.step < end)].assign(
+                    run=run.name,
+                    arm=labels[run],
+                    **config_columns(step_cfg, swept),
+                    weights_sha=model.get("weights_sha"),
+                    recipe_hash=model.get("recipe_hash"),
+                )
             )
-        )
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-
-
-# config keys that do not define what a run trains: where and how it reports, and the
-# experiment's own declarations
-NOT_RECIPE = ("progress", "out", "name", "arms", "prereg")
 
 
 def swept_keys(run: Path) -> set[str]:
@@ -242,12 +342,7 @@ def config_problems(root: Path, exp: str) -> list[str]:
     runs (one effective config in two folders: a paired test would count that seed twice)."""
     runs = sorted(p.parent for p in (root / exp).glob("*/metrics.jsonl"))
     cfgs = {r.name: yaml.safe_load((r / "config.yaml").read_text()) for r in runs}
-    recipe = {
-        name: {
-            k: v for k, v in effective(flatten(cfg)).items() if k.split(".")[0] not in NOT_RECIPE
-        }
-        for name, cfg in cfgs.items()
-    }
+    recipes = {name: run_recipe(cfg) for name, cfg in cfgs.items()}
     arms = [preset_arms(exp), *(cfg.get("arms") or {} for cfg in cfgs.values())]
     arm_keys = {k for a in arms for values in a.values() for k in values or {}}
     # an arm that picks a config group (`objective.name: calibrated_clip`) brings that group's
@@ -255,18 +350,18 @@ def config_problems(root: Path, exp: str) -> list[str]:
     arm_groups = tuple(k.removesuffix("name") for k in arm_keys if k.endswith(".name"))
     swept = set.intersection(*map(swept_keys, runs)) if runs else set()
     problems = []
-    seeds = {k for r in recipe.values() for k in r if k == "seed" or k.endswith(".seed")}
-    for key in sorted(set().union(*recipe.values()) - swept - arm_keys - seeds):
+    seeds = {k for r in recipes.values() for k in r if is_seed(k)}
+    for key in sorted(set().union(*recipes.values()) - swept - arm_keys - seeds):
         if key.startswith(arm_groups):
             continue
         by_value: dict[str, list[str]] = {}
-        for name, r in recipe.items():
+        for name, r in recipes.items():
             by_value.setdefault(repr(r.get(key, "<unset>")), []).append(name)
         if len(by_value) > 1:
             parts = "; ".join(f"{v} in {len(n)} runs like {n[0]}" for v, n in by_value.items())
             problems.append(f"mixed configs: {key} = {parts}")
     same: dict[str, list[str]] = {}
-    for name, r in recipe.items():
+    for name, r in recipes.items():
         same.setdefault(repr(sorted((k, repr(v)) for k, v in r.items())), []).append(name)
     dups = [n for n in same.values() if len(n) > 1]
     problems += [f"duplicate runs (one config, {len(n)} folders): {', '.join(n)}" for n in dups]

@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from harness.base import distributed
-from harness.base.io import write_json_atomic, write_text_atomic
+from harness.base.io import write_json_atomic
 from harness.base.models import resolve_device
 from harness.noise.fp8 import ShadowPass, high_precision
 from harness.objectives.opsd import teacher_inputs
@@ -51,7 +51,7 @@ from harness.rl.setup import Setup, build_setup, r2, rollout_sampling, step_seed
 from harness.rl.step import collect, evaluate, gather_batch, share_rows, update, update_distill
 from harness.runs import config as _schema  # noqa: F401  (registers the structured-config schema)
 from harness.runs import fingerprint
-from harness.runs.launch import read_json, run_task, update_meta
+from harness.runs.launch import run_task, update_meta
 from harness.runs.tracking import SIGNAL_STEPS, Tracker, no_signal, plain_line
 from harness.runs.validate import fsdp, validate, validate_ranks
 from harness.stats.diagnostics import check_collapse, rollout_dials
@@ -64,9 +64,10 @@ class TrainingAborted(RuntimeError):
 
 
 def start(cfg: DictConfig) -> tuple[Path, Setup, int, dict]:
-    """Validate, write config.yaml, run the step-0 mechanism check (collective across ranks: each
-    scores its share of the batches with the sharded trainer, as a step does; its draws cannot
-    move the run's), build the setup and resume: (run dir, setup, first step, guard state)."""
+    """Validate, run the step-0 mechanism check (collective across ranks: each scores its share of
+    the batches with the sharded trainer, as a step does; its draws cannot move the run's), build
+    the setup, resume, and record the config when a step will run: (run dir, setup, first step,
+    guard state)."""
     validate(cfg)
     ranks = distributed.environment()
     validate_ranks(cfg, ranks.world)
@@ -74,8 +75,6 @@ def start(cfg: DictConfig) -> tuple[Path, Setup, int, dict]:
     run_dir, lead = Path(cfg.out), ranks.rank == 0
     run_dir.mkdir(parents=True, exist_ok=True)
     changed = checkpoint.config_contract(run_dir, cfg)
-    if lead:
-        write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     if cfg.mechanism_batches and distributed.all_true(not (run_dir / "mechanism.json").exists()):
         check = mechanism.run(cfg, validated=True, ranks=ranks)
         if lead:
@@ -89,9 +88,8 @@ def start(cfg: DictConfig) -> tuple[Path, Setup, int, dict]:
     if lead:
         fingerprint.record_machine(run_dir, first, ranks.world)
         update_meta(run_dir, model=s.identity, resumed_from_step=first - 1)
-        if changed:  # a resume with `resume=override`: what changed, from which step
-            past = read_json(run_dir / "meta.json").get("config_overrides", [])
-            update_meta(run_dir, config_overrides=[*past, {"from_step": first, "changed": changed}])
+        if first <= cfg.steps:  # a rerun that trains no step keeps the record of the run it found
+            checkpoint.record_config(run_dir, cfg, first, changed)
     s.sampler.load_weights_from_state(s.history.behaviour())
     return run_dir, s, first, guard
 
@@ -291,7 +289,7 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
 
 @hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    return run_task(run, cfg)
+    return run_task(run, cfg, check=validate)
 
 
 if __name__ == "__main__":

@@ -377,10 +377,11 @@ def test_run_names_are_hashed_when_long_and_never_hold_out_or_progress(tmp_path)
     assert run_name("model.spec=Qwen/Qwen2.5-0.5B,seed=1") == "model.spec=Qwen_Qwen2.5-0.5B,seed=1"
     long = ",".join(f"rollout.group_size={i}" for i in range(40))
     name = run_name(long)
-    assert len(name) == RUN_NAME_MAX and name.startswith(long[:40]) and name == run_name(long)
+    assert len(name) <= RUN_NAME_MAX and name.startswith(long[:40]) and name == run_name(long)
+    assert set(name[:-11].split(",")) <= set(long.split(","))  # whole items, none cut
     assert run_name(long + "0") != name
     seeded = run_name(f"noise.sigma=1.5,objective.lo=0.5,optim.lr=0.0004,{long},seed=1207")
-    assert len(seeded) == RUN_NAME_MAX and seeded.startswith("noise.sigma=1.5,objective.lo=0.5")
+    assert len(seeded) <= RUN_NAME_MAX and seeded.startswith("noise.sigma=1.5,objective.lo=0.5")
     assert seeded[:-11].endswith(",seed=1207")  # the seed whole, before the hash of the rest
     overrides = [f"+task.k{i}={i}" for i in range(30)] + ["out=/tmp/x", "progress=false"]
     with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
@@ -390,6 +391,30 @@ def test_run_names_are_hashed_when_long_and_never_hold_out_or_progress(tmp_path)
     assert "out=" not in dirname and "progress" not in dirname
     run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"]
     assert len(Path(run_dir).name) <= RUN_NAME_MAX
+
+
+def test_sweep_folders_keep_the_keys_the_sweep_varies_whole(tmp_path):
+    """`-m objective=band,cispo objective.lo=0.5` with a long command line: each folder names its
+    objective whole (the sweep's axis, from the driver's SweepAxes callback) and the seed, with a
+    hash of the rest; a constant key is hashed, never cut mid-key."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from harness.runs.presubmit import sweep_points
+
+    tiny = ["model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2", "eval_n=4"]
+    tiny += ["rollout.group_size=4", "rollout.max_new_tokens=6", "engine.device=cpu"]
+    sweep = [*tiny, "objective=band,cispo", "objective.lo=0.5", "seed=0"]
+    with initialize_config_dir(config_dir=str(EXP), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        cfg = loader.load_configuration("train", sweep, run_mode=RunMode.MULTIRUN)
+        Callbacks(cfg).on_multirun_start(config=cfg)  # on the driver, as `-m` calls it
+        jobs = [loader.load_sweep_config(cfg, point) for point in sweep_points(cfg)]
+    names = [OmegaConf.select(job, "hydra.sweep.subdir") for job in jobs]
+    assert len(jobs[0].hydra.job.override_dirname) > 80  # long: the name is shortened
+    assert [n[:-11] for n in names] == ["objective=band,seed=0", "objective=cispo,seed=0"]
+    assert all(re.fullmatch(r"-[0-9a-f]{10}", n[-11:]) for n in names)
 
 
 @pytest.mark.parametrize(

@@ -340,6 +340,24 @@ def test_summarize_refuses_mixed_configs_and_duplicate_runs_naming_them(tmp_path
         summarize(["nsr_vs_decay", "--results", str(tmp_path)])
 
 
+def test_every_swept_key_is_a_column_and_part_of_the_arms_label(tmp_path):
+    """`objective=band objective.hi=2.0,4.0`: the objective's own swept keyword becomes a column
+    and tells the two arms apart, so no (arm, seed) holds two runs."""
+    from analysis.runs import doubled
+
+    for hi in (2.0, 4.0):
+        cfg = {**_cfg(0), "objective": {"name": "band", "hi": hi}}
+        overrides = ["objective=band", f"objective.hi={hi}", "seed=0"]
+        _raw_run(tmp_path, f"objective.hi={hi}", cfg, overrides=overrides, exp="toy")
+    summarize(["toy", "--results", str(tmp_path)])
+    df = pd.read_csv(tmp_path / "toy" / "summary.csv")
+    assert df.groupby("arm")["objective.hi"].first().to_dict() == {
+        "band, objective.hi=2.0": 2.0,
+        "band, objective.hi=4.0": 4.0,
+    }
+    assert doubled(df) == {}
+
+
 def test_summaries_must_name_the_shipped_weights_of_their_recipe():
     import pandas as pd
 

@@ -345,4 +345,4 @@ def test_run_task_checks_nodes_before_compute(tmp_path):
     cfg = OmegaConf.create({"out": str(tmp_path), "objective": {"name": "cispo", "eps": 0.2}})
     with pytest.raises(TypeError, match="unknown argument"):
         run_task(called.append, cfg)
-    assert not called and meta(tmp_path)["status"] == "failed"
+    assert not called and not (tmp_path / "meta.json").exists()  # refused: nothing recorded

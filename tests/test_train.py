@@ -729,6 +729,24 @@ def test_a_refused_rerun_leaves_the_finished_runs_record_as_it_was(tmp_path):
     assert not (tmp_path / "traceback.txt").exists()
 
 
+def test_a_rerun_refused_by_validation_leaves_the_finished_runs_record_as_it_was(tmp_path):
+    """A typo'd keyword (check_nodes) or a bad value (validate, as harness.train's main checks)
+    on the rerun of a finished run: refused before compute, naming the key; meta.json stays the
+    finished run's, status `completed`."""
+    from harness.runs.launch import run_task
+
+    run_task(train.run, _cfg(tmp_path, "steps=2"))
+    meta = (tmp_path / "meta.json").read_text()
+    with pytest.raises(TypeError, match="eps"):
+        run_task(train.run, _cfg(tmp_path, "steps=2", "objective.eps=0.2"))
+    assert (tmp_path / "meta.json").read_text() == meta
+    with pytest.raises(ValueError, match=r"optim.lr=-1.0; valid: > 0"):
+        run_task(train.run, _cfg(tmp_path, "steps=2", "optim.lr=-1.0"), check=validate.validate)
+    assert (tmp_path / "meta.json").read_text() == meta
+    assert json.loads(meta)["status"] == "completed"
+    assert not (tmp_path / "traceback.txt").exists()
+
+
 def test_a_run_written_before_a_new_default_resumes_under_it(tmp_path):
     """A run folder whose config.yaml predates a schema field (written without it) or restated a
     builder default the group file no longer holds resumes strictly: missing keys read as the
@@ -753,6 +771,29 @@ def test_resume_override_applies_the_new_learning_rate_and_records_it(tmp_path):
     assert [g["lr"] for g in state["optim"]["param_groups"]] == [1e-4]
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["config_overrides"] == [{"from_step": 3, "changed": {"optim.lr": [1e-3, 1e-4]}}]
+
+
+def test_the_summary_reports_each_steps_config_after_an_override(tmp_path):
+    """A 3-step run at lr 1e-4 extended with `steps=5 optim.lr=1e-3 resume=override`: the
+    summary's lr is 1e-4 for steps 1–3 and 1e-3 for steps 4–5 (meta.json's override record)."""
+    from analysis.runs import load_raw
+
+    run = tmp_path / "exp" / "run"
+    train.run(_cfg(run, "steps=3", "optim.lr=1e-4"))
+    train.run(_cfg(run, "steps=5", "optim.lr=1e-3", "resume=override"))
+    df = load_raw(tmp_path, "exp")
+    assert df.step.tolist() == [1, 2, 3, 4, 5]
+    assert df.lr.tolist() == [1e-4, 1e-4, 1e-4, 1e-3, 1e-3]
+
+
+def test_an_override_that_runs_no_step_leaves_the_runs_config_and_record(tmp_path):
+    """`resume=override optim.lr=1e-5` on a finished run runs nothing: config.yaml keeps the lr
+    the run used and meta.json records no override."""
+    train.run(_cfg(tmp_path, "steps=2", "optim.lr=1e-4"))
+    config = (tmp_path / "config.yaml").read_text()
+    train.run(_cfg(tmp_path, "steps=2", "optim.lr=1e-5", "resume=override"))
+    assert (tmp_path / "config.yaml").read_text() == config
+    assert "config_overrides" not in json.loads((tmp_path / "meta.json").read_text())
 
 
 def test_a_finished_run_whose_checkpoints_were_removed_is_refused_not_restarted(tmp_path):

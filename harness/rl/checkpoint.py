@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.base import distributed
 from harness.base.io import RefusedRerun, write_text_atomic
 from harness.base.models import save_folder
+from harness.runs.launch import read_json, update_meta
 from harness.stats.diagnostics import collapse_guard
 
 if TYPE_CHECKING:
@@ -317,6 +318,16 @@ def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
             "run (recorded in meta.json), or use a new out= directory."
         )
     return changed
+
+
+def record_config(run_dir: Path, cfg: DictConfig, first: int, changed: dict[str, list]) -> None:
+    """config.yaml, and under `resume=override` the keys `changed` with the step they govern
+    from (meta.json's `config_overrides`, which analysis.runs reads per step). Called only when
+    step `first` will run: the record says what the run trained under, not what a rerun asked."""
+    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if changed:
+        past = read_json(run_dir / "meta.json").get("config_overrides", [])
+        update_meta(run_dir, config_overrides=[*past, {"from_step": first, "changed": changed}])
 
 
 def effective(flat: dict[str, Any]) -> dict[str, Any]:

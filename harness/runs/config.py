@@ -202,21 +202,29 @@ class TrainConfig:
 RUN_NAME_MAX = 80  # characters of an override-derived directory name before it is hashed
 
 
-def run_name(override_dirname: str) -> str:
-    """A run directory's name from Hydra's override_dirname: as is when short, else a readable
-    prefix and 10 hex digits of its sha256 (long override lists overflowed the 255-byte name
-    limit), the seed kept whole at its end. A "/" in a value (model.spec=Qwen/Qwen2.5-0.5B,
-    task.path=/data/x.jsonl) becomes "_", so a run is one folder, not a tree. Used as
-    `${run_name:${hydra.job.override_dirname}}` in the job configs."""
-    override_dirname = override_dirname.replace("/", "_")
-    if len(override_dirname) <= RUN_NAME_MAX:
-        return override_dirname
-    digest = hashlib.sha256(override_dirname.encode()).hexdigest()[:10]
-    items = override_dirname.split(",")
-    seed = [i for i in items if i.startswith("seed=")]  # kept whole: runs are paired by it
-    tail = f",{seed[0]}-{digest}" if seed else f"-{digest}"
-    rest = ",".join(i for i in items if not i.startswith("seed="))
-    return rest[: RUN_NAME_MAX - len(tail)] + tail
+def run_name(override_dirname: str, axes: str = "") -> str:
+    """A run directory's name from Hydra's override_dirname: as is when short (long override
+    lists overflowed the 255-byte name limit), else whole `key=value` items and 10 hex digits of
+    the whole name's sha256: the items of `axes` (the comma-separated keys a sweep varies,
+    `harness.runs.launch.SweepAxes`; every item outside a sweep) that fit, the seed whole at their
+    end (runs are paired by it). So sweep points keep the keys that tell them apart, and no key
+    is cut. A "/" in a value (model.spec=Qwen/Qwen2.5-0.5B, task.path=/data/x.jsonl) becomes
+    "_", so a run is one folder, not a tree. Used as
+    `${run_name:${hydra.job.override_dirname},<axes>}` in the job configs."""
+    dirname = override_dirname.replace("/", "_")
+    if len(dirname) <= RUN_NAME_MAX:
+        return dirname
+    tail = "-" + hashlib.sha256(dirname.encode()).hexdigest()[:10]
+    varied = set(axes.split(",")) - {""}
+    items = dirname.split(",")
+    seed = [i for i in items if i.startswith("seed=")]
+    kept: list[str] = []
+    for item in items:
+        if item in seed or (varied and item.split("=", 1)[0].lstrip("+~") not in varied):
+            continue
+        if len(",".join([*kept, item, *seed]) + tail) <= RUN_NAME_MAX:
+            kept.append(item)
+    return ",".join([*kept, *seed]) + tail
 
 
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)

@@ -6,9 +6,11 @@ Inside a job (`train.main`, `measure.main`):
     def main(cfg):
         return run_task(run, cfg)
 
-`run_task` resolves the run directory (`cfg.out`, made absolute), checks the swept-axis nodes
-against their builders before any compute (`check_nodes`), records `meta.json` (git SHA and dirty
-flag, package versions, host, Slurm job / array ids, start and end time, status), and on an
+`run_task` resolves the run directory (`cfg.out`, made absolute), checks the config before any
+compute (`check`: the swept-axis nodes against their builders, or the task's own validation), then
+records `meta.json` (git SHA and dirty flag, package versions, host, Slurm job / array ids, start
+and end time, status): a config refused there or by the resume contract (`RefusedRerun`) leaves
+the folder's record as it was (a finished run stays `completed`). On an
 exception writes the traceback to `<run>/traceback.txt` and stderr and attaches it to the
 exception (`add_note`), because Hydra and submitit hand the driver the exception without its
 traceback. Requeued jobs re-run the task from the top in the same directory: the task resumes from
@@ -40,9 +42,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, read_write
 
 from harness.base.io import RefusedRerun, write_json_atomic, write_text_atomic
+from harness.runs.presubmit import sweep_points
 from harness.runs.validate import check_nodes
 
 T = TypeVar("T")
@@ -61,7 +64,7 @@ SLURM_ENV = {
     "restart_count": "SLURM_RESTART_COUNT",
     "node": "SLURMD_NODENAME",
 }
-__all__ = ["run_task", "update_meta", "SlurmGuard"]
+__all__ = ["run_task", "update_meta", "SlurmGuard", "SweepAxes"]
 
 
 def _now() -> str:
@@ -156,9 +159,13 @@ def adopt_hydra_record(run: Path, keep: bool = True) -> None:
         hydra_dir.rmdir()
 
 
-def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
-    """Run `fn(cfg)` as one recorded task in its run directory (see the module docstring).
-    Sets `cfg.out` to the absolute run directory before calling `fn`."""
+def run_task(
+    fn: Callable[[DictConfig], T],
+    cfg: DictConfig,
+    check: Callable[[DictConfig], None] = check_nodes,
+) -> T:
+    """Run `fn(cfg)` as one recorded task in its run directory (see the module docstring), after
+    `check(cfg)`. Sets `cfg.out` to the absolute run directory before calling `fn`."""
     run = run_dir(cfg)
     run.mkdir(parents=True, exist_ok=True)
     if "out" in cfg:
@@ -167,9 +174,10 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
 
     if environment().rank != 0:  # rank 0 keeps the run's record
         adopt_hydra_record(run, keep=False)
-        check_nodes(cfg)
+        check(cfg)
         return fn(cfg)
     adopt_hydra_record(run)
+    check(cfg)  # before the attempt is recorded: a refused rerun leaves the run's meta.json as is
     attempt = {
         "start_time": _now(),
         "host": socket.gethostname(),
@@ -199,7 +207,6 @@ def run_task(fn: Callable[[DictConfig], T], cfg: DictConfig) -> T:
     (run / "traceback.txt").unlink(missing_ok=True)
     t0 = time.time()
     try:
-        check_nodes(cfg)
         result = fn(cfg)
     except RefusedRerun:  # nothing ran: the folder's record stays the finished run's
         if before is None:
@@ -346,6 +353,35 @@ class SlurmGuard(Callback):
                 f"[launch] sweep aborted: scancel {' '.join(live)} (rc {r.returncode})",
                 file=sys.stderr,
             )
+
+
+AXES_ENV = "RATIOLAB_SWEEP_AXES"  # hydra.job.env_set key: the sweep's axes, for run_name
+
+
+def sweep_axes(points: list[list[str]]) -> list[str]:
+    """The keys whose value differs between a sweep's points (their override lists)."""
+    values: dict[str, set[str]] = {}
+    for point in points:
+        for override in point:
+            key, _, value = override.partition("=")
+            values.setdefault(key.lstrip("+~"), set()).add(value)
+    return sorted(key for key, seen in values.items() if len(seen) > 1)
+
+
+class SweepAxes(Callback):
+    """Run folders named by what tells a sweep's points apart (train.yaml installs it; a no-op
+    outside `-m`): on the driver, before any job is composed, the keys the sweep varies become
+    `hydra.job.env_set.RATIOLAB_SWEEP_AXES` of every job (a Hydra override, which the launchers
+    re-apply to each job's config), and `harness.runs.config.run_name` keeps their items whole in
+    a long folder name, hashing the rest. Only the driver sees the whole sweep: a job's own
+    overrides do not say which of its keys the sweep varied."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        axes = sweep_axes(sweep_points(config))
+        if axes:
+            with read_write(config.hydra.overrides):
+                override = f"++hydra.job.env_set.{AXES_ENV}='{','.join(axes)}'"
+                config.hydra.overrides.hydra.append(override)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
