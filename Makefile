@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ratiolab-installed
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 
-.PHONY: setup vllm demo test test-fast test-recipe lint bench figures gpu-check clean-venv
+.PHONY: setup vllm verl demo test test-fast test-recipe lint bench figures gpu-check clean-venv
 
 setup: $(STAMP)
 
@@ -36,6 +36,19 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# verl (harness.integrations.verl_losses, tests/test_integrations_verl.py) in a venv of its own:
+# verl 0.9.1 pins transformers < 5.11. torch first, so pip keeps the CPU wheel; shared by clones.
+VERL_VENV ?= $(or $(RATIOLAB_CACHE),$(HOME)/.cache/ratiolab)/verl-0.9.1
+VERL_STAMP := $(VERL_VENV)/.ratiolab-installed
+
+verl: $(VERL_STAMP)
+
+$(VERL_STAMP):
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VERL_VENV)/bin/python -m pip install -q verl==0.9.1
+	touch $(VERL_STAMP)
+
 demo: $(STAMP)  ## the main job on the embedded default model (smollm2-135m, CPU), then its figures
 	$(PY) -m harness.measure force=true  # regenerates the committed results/measure/ (data only)
 	$(PY) -m analysis.noise_anatomy results/measure
@@ -43,7 +56,7 @@ demo: $(STAMP)  ## the main job on the embedded default model (smollm2-135m, CPU
 	$(PY) -m analysis.layer_amplification results/measure
 	$(PY) -m analysis.real_engine_beta --compare results/measure --out results/measure  # beside the CTranslate2 β
 
-test: $(STAMP) $(VLLM_STAMP)  ## the whole suite CI runs: fast + slow (real model), no GPU tests
+test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP)  ## the whole suite CI runs: fast + slow (real model), no GPU tests
 	$(PY) -m pytest -m "not gpu and not recipe"
 
 test-fast: $(STAMP)

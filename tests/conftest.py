@@ -1,4 +1,7 @@
+from pathlib import Path
+
 import pytest
+import tomllib
 import torch
 
 from harness.base.models import load_model
@@ -46,3 +49,20 @@ def _no_hydra_job_left_behind():
 
     yield
     HydraConfig.instance().cfg = None
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def installed_entry_points(dest: Path) -> str:
+    """A PYTHONPATH on which importlib.metadata in vLLM's venv finds pyproject.toml's entry points
+    as an installed ratiolab declares them (`pip install --no-deps -e .` there), without
+    installing into the shared venv: a dist-info holding them, then the checkout."""
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    info = dest / "ratiolab-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ratiolab\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps[g].items()) for g in eps)
+    )
+    return f"{dest}:{ROOT}"

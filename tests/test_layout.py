@@ -74,8 +74,9 @@ def test_no_import_cycles_and_harness_never_imports_analysis():
 
 
 # harness's subpackages, lowest first: a module imports its own package and those below it, never
-# one above (the entry points train and measure sit on top; nothing imports them).
-LAYERS = ("base", "noise", "sampling", "stats", "tasks", "objectives", "runs", "rl")
+# one above (the entry points train and measure sit on top; nothing imports them). integrations
+# plug harness into other frameworks, in their environments: nothing in harness imports them.
+LAYERS = ("base", "noise", "sampling", "stats", "tasks", "objectives", "runs", "rl", "integrations")
 ENTRY_POINTS = ("harness.train", "harness.measure")
 
 
@@ -96,6 +97,15 @@ def test_every_harness_module_sits_in_a_layer_and_imports_only_downward():
         m: sorted(d for d in graph[m] if d != "harness" and layer(d) > layer(m)) for m in mods
     }
     assert {m: d for m, d in upward.items() if d} == {}
+
+
+def test_nothing_in_harness_imports_the_integrations():
+    graph = import_graph(ROOT, packages=("harness",))
+    inward = {
+        m: sorted(d for d in deps if d.startswith("harness.integrations"))
+        for m, deps in graph.items()
+    }
+    assert {m: d for m, d in inward.items() if d and not m.startswith("harness.integrations")} == {}
 
 
 def test_layer_by_hand():

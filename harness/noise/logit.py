@@ -12,9 +12,17 @@ import torch
 from torch import Tensor, nn
 
 from harness.noise.base import NoiseModel
-from harness.noise.context import current, hashed_student_t, mix64, mix_int
+from harness.noise.context import current, hashed_normal, hashed_student_t, mix64, mix_int
 
 _LOGIT_STREAM = 1_000_003
+
+
+def logit_eps(hash_T: Tensor, V: int, seed: int, nu: float | None = None) -> Tensor:
+    """ε [T, V] of deterministic logit noise: N(0, 1), or Student-t(ν) with `nu`, as a function of
+    (seed, prefix hash) alone, so whoever knows the seed and the tokens recomputes it (the HF
+    sampler's hook and the vLLM logits processor of harness.integrations share it)."""
+    key = mix64(hash_T ^ mix_int(seed, _LOGIT_STREAM))
+    return hashed_normal(key, V) if nu is None else hashed_student_t(key, V, nu)
 
 
 class LogitNoise(NoiseModel):
@@ -58,10 +66,10 @@ class LogitNoise(NoiseModel):
             raise RuntimeError(
                 f"{self.what}: context {tuple(ctx.hash_BxS.shape)} vs logits {tuple(z.shape)}"
             )
-        if self.nu is None:
+        if self.deterministic:
+            eps = logit_eps(h, V, self.seed, self.nu)
+        elif self.nu is None:
             eps = self._normal(h, V, _LOGIT_STREAM)
-        elif self.deterministic:
-            eps = hashed_student_t(mix64(h ^ mix_int(self.seed, _LOGIT_STREAM)), V, self.nu)
         else:
             u1 = 1.0 - torch.rand(B * S, V, generator=self._gen)
             u2 = torch.rand(B * S, V, generator=self._gen)

@@ -9,6 +9,8 @@ to a safetensors folder the worker reloads (then re-packs a tied lm_head and dro
 cache). `logp_mu` is vLLM's own: the sampled token's log-prob under the processed law
 (logprobs_mode=processed_logprobs), and with top-k the kept support vLLM reports, so mask replay
 works as with the other engines. Only the sampler: π_θ and π_old stay the HF trainer.
+`extra_args` go with every request to vLLM's logits processors (with `pythonpath` naming where
+an installed ratiolab's entry points are, harness.integrations.vllm_noise injects β there).
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class VllmEngine(SecondEngine):
         log: str | Path | None = None,
         gpus: str | None = None,
         gpu_memory_utilization: float = 0.5,
+        logprobs_mode: str = "processed_logprobs",
+        extra_args: dict | None = None,
+        pythonpath: str = "",
     ):
         self.model = model.float()
         self.tokenizer = tokenizer
@@ -110,6 +115,7 @@ class VllmEngine(SecondEngine):
         self.log = Path(log) if log else self._dir / "worker.log"
         self.proc = None
         self.gpus, self.gpu_memory_utilization = gpus, gpu_memory_utilization
+        self.logprobs_mode, self.extra_args, self.pythonpath = logprobs_mode, extra_args, pythonpath
         self._write_weights(self._dir / "weights")
         self._start(resolve_python(python), start_timeout_s, seed)
 
@@ -125,7 +131,7 @@ class VllmEngine(SecondEngine):
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "OMP_NUM_THREADS": str(torch.get_num_threads()),
-            "PYTHONPATH": "",
+            "PYTHONPATH": self.pythonpath,
         }
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpus)
@@ -149,6 +155,7 @@ class VllmEngine(SecondEngine):
             "max_model_len": self.max_len or 4096,
             "seed": seed,
             "gpu_memory_utilization": self.gpu_memory_utilization,
+            "logprobs_mode": self.logprobs_mode,
         }
         try:
             self.version = self._call(init, timeout=timeout)["version"]
@@ -244,6 +251,7 @@ class VllmEngine(SecondEngine):
                 "stop_ids": self.eos_ids.tolist(),
                 "seed": seed,
                 "support": top_k if truncated else 0,
+                "extra_args": self.extra_args,
             }
         )
         toks = [torch.tensor(t, dtype=torch.long) for t in reply["tokens"]]

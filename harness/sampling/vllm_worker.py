@@ -8,15 +8,17 @@ Protocol: one JSON object per line on the pipe the harness passes as fd `--fd-in
 "op"; every reply is {"ok": true, ...} or {"ok": false, "error": "<type>: <message>"}.
 
   {"op": "init", "model": folder, "dtype": "float32"|"bfloat16", "max_model_len": int,
-   "seed": int, "gpu_memory_utilization": float (CUDA only)}
+   "seed": int, "gpu_memory_utilization": float (CUDA only), "logprobs_mode": str}
       → {"ok", "version", "device"}
   {"op": "sample", "prompts": [[token ids]], "n", "temperature", "top_p", "top_k",
-   "max_tokens", "stop_ids": [ids], "seed": int, "support": int}
+   "max_tokens", "stop_ids": [ids], "seed": int, "support": int, "extra_args": dict | null}
       → {"ok", "tokens": [[ids]], "logp": [[floats]], "support": [[[ids]]] | null}
         rows prompt-major (prompt i's n samples are rows i*n .. i*n+n-1). `logp` is the sampled
         token's log-probability under the processed law (logprobs_mode=processed_logprobs:
-        after temperature, top-k and top-p); `support` (when > 0) the ids of the `support`
-        most likely tokens under that law that are kept (finite log-prob), per step.
+        after logits processors, temperature, top-k and top-p; raw_logprobs: before any of
+        them); `support` (when > 0) the ids of the `support` most likely tokens under that law
+        that are kept (finite log-prob), per step. `extra_args` reach the logits processors
+        (harness.integrations.vllm_noise reads its noise there).
   {"op": "load", "path": folder} → {"ok", "seconds"}   new weights from a safetensors folder
   {"op": "exit"}
 
@@ -51,7 +53,13 @@ class Worker:
         self.llm = None
 
     def init(
-        self, model: str, dtype: str, max_model_len: int, seed: int, gpu_memory_utilization: float
+        self,
+        model: str,
+        dtype: str,
+        max_model_len: int,
+        seed: int,
+        gpu_memory_utilization: float,
+        logprobs_mode: str,
     ) -> dict:
         import torch
         import vllm
@@ -66,7 +74,7 @@ class Worker:
             skip_tokenizer_init=True,
             enforce_eager=True,
             enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",
+            logprobs_mode=logprobs_mode,
             max_logprobs=-1,
             **kw,
         )
@@ -79,7 +87,7 @@ class Worker:
         return {"version": vllm.__version__, "device": "cuda" if kw else "cpu"}
 
     def sample(
-        self, prompts, n, temperature, top_p, top_k, max_tokens, stop_ids, seed, support
+        self, prompts, n, temperature, top_p, top_k, max_tokens, stop_ids, seed, support, extra_args
     ) -> dict:
         import torch
         from vllm import SamplingParams, TokensPrompt
@@ -94,6 +102,7 @@ class Worker:
             logprobs=support,
             detokenize=False,
             ignore_eos=False,
+            extra_args=extra_args,
         )
         torch.manual_seed(seed)
         outs = self.llm.generate(
