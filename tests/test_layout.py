@@ -74,19 +74,19 @@ def test_no_import_cycles_and_harness_never_imports_analysis():
 
 
 # harness's subpackages, lowest first: a module imports its own package and those below it, never
-# one above (the entry points train and measure sit on top; nothing imports them). integrations
-# plug harness into other frameworks, in their environments: nothing in harness imports them.
+# one above. The entry points train and measure (with its submodules) sit above rl; integrations
+# (the plug-ins for other stacks) sits above them, so nothing in harness imports it.
 LAYERS = ("base", "noise", "sampling", "stats", "tasks", "objectives", "runs", "rl", "integrations")
-ENTRY_POINTS = ("harness.train", "harness.measure")
+ENTRY_POINTS = ("train", "measure")
 
 
-def layer(module: str) -> int:
-    """The rank of a harness module: its subpackage's place in LAYERS; an entry point is above
-    them all."""
+def layer(module: str) -> float:
+    """The rank of a harness module: its subpackage's place in LAYERS; an entry point sits
+    between rl and integrations."""
     parts = module.split(".")
-    if module in ENTRY_POINTS:
-        return len(LAYERS)
-    assert len(parts) >= 2 and parts[1] in LAYERS, f"{module} is in no layer"
+    assert len(parts) >= 2 and parts[1] in (*LAYERS, *ENTRY_POINTS), f"{module} is in no layer"
+    if parts[1] in ENTRY_POINTS:
+        return LAYERS.index("rl") + 0.5
     return LAYERS.index(parts[1])
 
 
@@ -111,7 +111,8 @@ def test_nothing_in_harness_imports_the_integrations():
 def test_layer_by_hand():
     assert layer("harness.base.io") == 0
     assert layer("harness.rl.step") == LAYERS.index("rl")
-    assert layer("harness.train") == len(LAYERS) > layer("harness.rl.setup")
+    assert layer("harness.train") == layer("harness.measure.logs") > layer("harness.rl.setup")
+    assert layer("harness.integrations.trl") > layer("harness.measure") == layer("harness.train")
     with pytest.raises(AssertionError, match="in no layer"):
         layer("harness.flat_module")
 

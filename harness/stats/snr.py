@@ -11,6 +11,7 @@ memory is independent of the token count:
   - scalar sums for the Table 7 dials, a log histogram of sampler confidence for the fork bin.
 
 Public API
+  token_columns(logp, logp_mu, p_t, seq, gate) -> the per-token inputs of DeltaStats.add
   snr_split(delta_cal, conf_cal, delta_live, conf_live, edges=CONF_EDGES) -> DataFrame
       bin_lo, bin_hi, n_cal, n_live, var_beta, var_r, var_alpha, snr, lam   (Table 6)
   SNRSplit(edges): streaming add_cal / add_live, .table() (with 95% intervals from a
@@ -18,6 +19,7 @@ Public API
   DeltaStats(edges): one stream; .anatomy() (Table 3), .dials() (Table 7), .per_bin()
   BinnedMoments(n_bins, k): per-bin means and co-moments of k variables (ground truth α, β)
   shrink_kwargs(table, bounds) -> kwargs of build_objective("snr_shrink", ...)
+  snr_report(split, ...) -> Tables 3, 6 (with the bounds) and 7, per-bin statistics, |Δ| histograms
 
 Three-job bound rule (SNR post §4, "Placement": the combination is the post's; the definition of
 each bound is DERIVED, i.e. this harness's reading), per bin b:
@@ -42,7 +44,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
+from torch import Tensor
 
+from harness.base.batch import log_rho
 from harness.stats.diagnostics import BAND, CAP, CONF_EDGES, MATCH_TOL, bin_index, ess_from_sums
 
 TABLE6_COLUMNS = [
@@ -59,6 +63,23 @@ TABLE6_COLUMNS = [
 # SNRSplit.table's intervals (percentile, sequence bootstrap), after TABLE6_COLUMNS
 CI_COLUMNS = [f"{k}_{e}" for k in ("var_beta", "var_alpha", "snr", "lam") for e in ("lo", "hi")]
 CHUNK = 1 << 20
+
+
+def token_columns(
+    logp: Tensor, logp_mu: Tensor, p_t: Tensor, seq: Tensor, gate: Tensor | None = None
+) -> dict[str, np.ndarray]:
+    """Per token (1-d, any order), the inputs of DeltaStats.add from what a log records:
+    Δ = log π_trainer − log μ in the precision the log-probs were recorded in, then float64;
+    conf = p_t, the trainer's probability of the sampled token (the bins); q = μ(y_t) = exp(log μ)
+    in float64 (the fork bin); gate = 1 − 2p_t + ‖p‖² (Figure 1; NaN when not recorded); seq."""
+    out = {
+        "delta": log_rho(logp, logp_mu).double(),
+        "conf": p_t.double(),
+        "q": logp_mu.double().exp(),
+        "gate": gate.double() if gate is not None else p_t.double() * float("nan"),
+        "seq": seq,
+    }
+    return {k: v.cpu().numpy() for k, v in out.items()}
 
 
 # --- moments -------------------------------------------------------------------------------------
@@ -626,3 +647,39 @@ def shrink_kwargs(
     lo = np.where(np.isfinite(lo), lo, fill_bounds[0])
     hi = np.where(np.isfinite(hi), hi, fill_bounds[1])
     return {"edges": edges, "lam": lam.tolist(), "lower": lo.tolist(), "upper": hi.tolist()}
+
+
+def snr_report(
+    split: SNRSplit,
+    noise_q: float = 0.995,
+    signal_k: float = 2.0,
+    ess_floor: float = 0.9,
+    ess_on: str = "r_lambda",
+) -> dict[str, pd.DataFrame]:
+    """The procedure's tables from the two streams: Table 3 (anatomy of Δ_cal), Table 6 with its
+    intervals and the three-job bounds, Table 7 (dials, calibration vs live), the per-bin
+    statistics of each pass and the |Δ| histograms (buckets holding tokens)."""
+    per_bin = pd.concat(
+        [
+            split.cal.per_bin().assign(**{"pass": "cal"}),
+            split.live.per_bin().assign(**{"pass": "live"}),
+        ],
+        ignore_index=True,
+    )
+    hist = []
+    for name, st in (("cal", split.cal), ("live", split.live)):
+        n, m = st.lb.fold(st.hist()), st.lb.fold(st.hist(mass=True))
+        j = np.flatnonzero(n)
+        lo, hi = st.lb.value(j, np.zeros(len(j))), st.lb.value(j, np.ones(len(j)))
+        hist.append(pd.DataFrame({"pass": name, "lo": lo, "hi": hi, "count": n[j], "mass": m[j]}))
+    dials = pd.DataFrame({"cal": split.cal.dials(), "live": split.live.dials()})
+    dials.index.name = "dial"
+    anatomy = pd.Series(split.cal.anatomy(), name="value")
+    anatomy.index.name = "stat"
+    return {
+        "table3": anatomy.reset_index(),
+        "table6": split.bounds(noise_q, signal_k, ess_floor, ess_on),
+        "table7": dials.reset_index(),
+        "per_bin": per_bin,
+        "abs_delta_hist": pd.concat(hist, ignore_index=True),
+    }

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -65,7 +65,15 @@ from harness.sampling.engines import Engine, Rollout
 from harness.sampling.logprobs import check_sampling
 from harness.sampling.samplers import check_sampler
 from harness.stats.diagnostics import CONF_EDGES, bin_index, gate, identity_check
-from harness.stats.snr import CI_COLUMNS, TABLE6_COLUMNS, BinnedMoments, SNRSplit, shrink_kwargs
+from harness.stats.snr import (
+    CI_COLUMNS,
+    TABLE6_COLUMNS,
+    BinnedMoments,
+    SNRSplit,
+    shrink_kwargs,
+    snr_report,
+    token_columns,
+)
 
 # --- config -------------------------------------------------------------------------------------
 
@@ -108,6 +116,9 @@ class MeasurementCfg:
     amp_rows: int = 2
     amp_sigma: float = 1e-2
     amp_seeds: int = 2
+    # write each pass's per-token columns (tokens_cal.parquet, tokens_live.parquet with the true
+    # α and β): the input of `python -m harness.measure.logs`, checked here against the truth
+    dump_tokens: bool = False
 
 
 @dataclass
@@ -294,19 +305,35 @@ def sample(engine: Engine, prompts, cfg: DictConfig, seed: int) -> Rollout:
     )
 
 
-def token_arrays(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str, np.ndarray]:
-    """Per response token (flattened over the mask): the inputs of DeltaStats.add; `sc` holds
-    the bin statistics (`p_t`, `p_sq_sum`) of the trainer at the behaviour weights."""
+def token_log(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per response token (flattened over the mask), the columns a training log records and
+    harness.measure.logs reads: seq (the row), logp (the trainer), logp_mu (μ), p_t and the gate
+    (`sc`: the trainer's bin statistics `p_t`, `p_sq_sum`)."""
     m = ro.response_mask.bool()
     rows = torch.arange(m.shape[0], device=m.device)[:, None].expand_as(m)
-    out = {
-        "delta": log_rho(logp_trainer, ro.logp_mu)[m].double(),
-        "conf": sc["p_t"][m].double(),
-        "q": ro.logp_mu[m].double().exp(),  # exp in float64, as the statistics are
-        "gate": gate(sc["p_t"], sc["p_sq_sum"])[m].double(),
+    return {
         "seq": rows[m],
+        "logp": logp_trainer[m],
+        "logp_mu": ro.logp_mu[m],
+        "p_t": sc["p_t"][m],
+        "gate": gate(sc["p_t"], sc["p_sq_sum"])[m],
     }
-    return {k: v.cpu().numpy() for k, v in out.items()}
+
+
+def dump_frame(
+    cols: dict[str, torch.Tensor], first_seq: int, **truth: torch.Tensor
+) -> pd.DataFrame:
+    """One round's token columns as rows of a dump, in the dtypes they were computed in; sequence
+    ids numbered on from `first_seq`, so they stay unique over the rounds."""
+    df = pd.DataFrame({k: v.cpu().numpy() for k, v in {**cols, **truth}.items()})
+    df["seq"] += first_seq
+    return df
+
+
+def write_parquet(path: Path, df: pd.DataFrame) -> None:
+    buf = io.BytesIO()
+    df.to_parquet(buf, index=False)
+    write_text_atomic(path, buf.getvalue())
 
 
 def check_identity(logp: torch.Tensor, ro: Rollout, tol: float | None, what: str) -> float:
@@ -442,49 +469,40 @@ def fmt_table(df: pd.DataFrame) -> str:
 def build_report(split: SNRSplit, truth: BinnedMoments | None, cfg: DictConfig, meta: dict) -> dict:
     """Everything the run writes: DataFrames and a JSON summary."""
     nodes = noise_nodes(cfg)
-    t6 = split.bounds(
-        cfg.measurement.noise_q,
-        cfg.measurement.signal_k,
-        cfg.measurement.ess_floor,
-        cfg.measurement.ess_on,
-    )
-    per_bin = pd.concat(
-        [
-            split.cal.per_bin().assign(**{"pass": "cal"}),
-            split.live.per_bin().assign(**{"pass": "live"}),
-        ],
-        ignore_index=True,
-    )
+    report = report_tables(split, cfg.measurement)
+    per_bin = report["per_bin"]
     pred, src = gate_prediction(per_bin[per_bin["pass"] == "cal"], nodes, cfg.rollout.temperature)
     per_bin["gate_pred"] = np.concatenate([pred.to_numpy(), np.full(len(pred), np.nan)])
-    hist = []
-    for name, st in (("cal", split.cal), ("live", split.live)):
-        n, m = st.lb.fold(st.hist()), st.lb.fold(st.hist(mass=True))
-        j = np.flatnonzero(n)
-        lo, hi = st.lb.value(j, np.zeros(len(j))), st.lb.value(j, np.ones(len(j)))
-        hist.append(pd.DataFrame({"pass": name, "lo": lo, "hi": hi, "count": n[j], "mass": m[j]}))
-    dials = pd.DataFrame({"cal": split.cal.dials(), "live": split.live.dials()})
-    dials.index.name = "dial"
-    anatomy = pd.Series(split.cal.anatomy(), name="value")
-    anatomy.index.name = "stat"
-    report = {
-        "table3": anatomy.reset_index(),
-        "table6": t6,
-        "table7": dials.reset_index(),
-        "per_bin": per_bin,
-        "abs_delta_hist": pd.concat(hist, ignore_index=True),
-        "truth": truth_table(split, truth) if truth is not None else None,
-    }
+    report["truth"] = truth_table(split, truth) if truth is not None else None
     report["summary"] = {
         **meta,
         "label": f"{beta_label(cfg, nodes)} | α: {meta.get('alpha_label', cfg.live.mode)}",
         "noise": nodes,
         "gate_sigma_source": src,
-        "table3": {k: float(v) for k, v in anatomy.items()},
-        "table7": {c: {k: float(v) for k, v in dials[c].items()} for c in dials},
-        "snr_shrink_kwargs": shrink_kwargs(t6),
+        **summary_tables(report),
     }
     return report
+
+
+def new_split(m: MeasurementCfg) -> SNRSplit:
+    """The two empty streams of the SNR procedure, with the node's bins, cap and band."""
+    edges = CONF_EDGES if m.edges is None else m.edges
+    return SNRSplit(list(edges), cap=m.cap, band=tuple(m.band))
+
+
+def report_tables(split: SNRSplit, m: MeasurementCfg) -> dict:
+    """harness.stats.snr.snr_report with the `measurement` node's bound settings."""
+    return snr_report(split, m.noise_q, m.signal_k, m.ess_floor, m.ess_on)
+
+
+def summary_tables(report: dict) -> dict:
+    """Tables 3 and 7 and the shrink objective's kwargs, for summary.json."""
+    t3, t7 = report["table3"], report["table7"]
+    return {
+        "table3": {k: float(v) for k, v in zip(t3.stat, t3.value)},
+        "table7": {c: {k: float(v) for k, v in zip(t7.dial, t7[c])} for c in ("cal", "live")},
+        "snr_shrink_kwargs": shrink_kwargs(report["table6"]),
+    }
 
 
 def write_report(out: Path, report: dict) -> None:
@@ -495,10 +513,12 @@ def write_report(out: Path, report: dict) -> None:
     write_json_atomic(out / "snr_shrink.json", report["summary"]["snr_shrink_kwargs"])
 
 
-def tables_text(report: dict) -> str:
+def tables_text(report: dict, header: str | None = None) -> str:
+    """Tables 3, 6 (with the bounds), 7 and the ground truth as text; `header` (the first line)
+    defaults to the model and its weights checksum."""
     t6, summary = report["table6"], report["summary"]
     parts = [
-        f"model {summary['model']}, weights checksum {summary['weights_sha']}",
+        header or f"model {summary['model']}, weights checksum {summary['weights_sha']}",
         "",
         "Table 3 — |Δ log π| at frozen weights (calibration pass)",
         fmt_table(report["table3"]),
@@ -521,7 +541,7 @@ def tables_text(report: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-REAL_ENGINE = Path(__file__).resolve().parents[1] / "results" / "real_engine_beta"
+REAL_ENGINE = Path(__file__).resolve().parents[2] / "results" / "real_engine_beta"
 
 
 def figure_commands(out: Path, spec: str) -> list[str]:
@@ -604,9 +624,9 @@ def run(cfg: DictConfig) -> dict:
     trainer = build_policy(cfg, trainer_model, tok)  # π at θ_b
     reference = build_policy(cfg, reference_model, tok)
     prompts = format_prompts(tok, [p for p, _ in PROMPTS[: cfg.rollout.prompts_per_step]])
-    stats_kw = {"cap": cfg.measurement.cap, "band": tuple(cfg.measurement.band)}
-    split = SNRSplit(list(cfg.measurement.edges), **stats_kw)
+    split = new_split(cfg.measurement)
     ident: dict[str, list[float]] = {"cal": [], "live": []}
+    dumps: dict[str, list[pd.DataFrame]] = {"cal": [], "live": []}
 
     # --- 1. calibration: α ≡ 0 -----------------------------------------------------------------
     t = time.time()
@@ -631,7 +651,10 @@ def run(cfg: DictConfig) -> dict:
         ident["cal"].append(
             check_identity(batch.logp_old, ro, cfg.measurement.identity_tol, "calibration")
         )
-        split.add_cal(**token_arrays(ro, sc, batch.logp_old))
+        cols = token_log(ro, sc, batch.logp_old)
+        split.add_cal(**token_columns(**cols))
+        if cfg.measurement.dump_tokens:  # opt-in: the one thing here that grows with the tokens
+            dumps["cal"].append(dump_frame(cols, i * len(ro.logp_mu)))
         if first is None:
             first = (batch, ro, float(r.mean()))
     timings["calibration_s"] = time.time() - t
@@ -672,11 +695,14 @@ def run(cfg: DictConfig) -> dict:
         sc_b = trainer.logp(ro, mask_replay=replay)
         sc_t = sc_b if live is trainer else live.logp(ro, mask_replay=replay)
         ident["live"].append(check_identity(sc_t["logp"], ro, cfg.measurement.identity_tol, "live"))
-        arr = token_arrays(ro, sc_t, sc_t["logp"])
+        cols = token_log(ro, sc_t, sc_t["logp"])
+        arr = token_columns(**cols)
         split.add_live(**arr)
         m = ro.response_mask.bool()
         beta = log_rho(sc_b["logp"], ro.logp_mu)[m].double()
         alpha = (sc_t["logp"] - sc_b["logp"])[m].double()
+        if cfg.measurement.dump_tokens:
+            dumps["live"].append(dump_frame(cols, i * len(ro.logp_mu), alpha=alpha, beta=beta))
         alpha_beta = torch.stack([alpha, beta], 1).cpu().numpy()
         truth.add(bin_index(arr["conf"], list(cfg.measurement.edges)), alpha_beta)
         ref = reference.logp(ro, stats=False, mask_replay=replay)["logp"][m].double()
@@ -733,13 +759,16 @@ def run(cfg: DictConfig) -> dict:
     timings["wall_s"] = time.time() - t_start
     report["summary"]["timings"] = {k: round(v, 1) for k, v in timings.items()}
     write_report(out, report)
+    if cfg.measurement.dump_tokens:
+        for name, frames in dumps.items():
+            write_parquet(out / f"tokens_{name}.parquet", pd.concat(frames, ignore_index=True))
     print(f"[measure] wrote {out}/ ({time.time() - t_start:.0f} s); its figures:", flush=True)
     for cmd in figure_commands(out, spec):
         print(f"    {cmd}", flush=True)
     return report["summary"]
 
 
-CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
+CONFIGS = str(Path(__file__).resolve().parents[2] / "experiments")
 
 
 @hydra.main(config_path=CONFIGS, config_name="measure", version_base="1.3")
@@ -760,10 +789,3 @@ def check_argv(argv: list[str]) -> None:
                 f"[measure] {arg}: the measurement presets are the `measure` group "
                 f"(experiments/measure/): use measure={value or '<name>'}"
             )
-
-
-if __name__ == "__main__":
-    from harness.measure import main as _main  # by reference: submitit pickles harness.measure.main
-
-    check_argv(sys.argv[1:])
-    _main()
