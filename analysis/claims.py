@@ -219,7 +219,7 @@ def paired_test(
     return {"paired_test": label, "p_paired": res["p"]}
 
 
-FINGERPRINTS = ("fp/batch", "fp/machine")  # hashes each run records (meta.json, summary.csv)
+FINGERPRINTS = ("fp_batch", "fp_machine")  # hashes each run records (analysis.runs.fingerprints)
 STEP1 = ("reward_mean", "response_len", "entropy_mean")  # with the dial_* columns present
 # summary.csv keeps 5 significant digits; differences below 1e-6 are float32 roundoff (the dials
 # of a noise-free sampler are ~1e-6 themselves), not another batch
@@ -562,8 +562,8 @@ def main(argv: list[str] | None = None) -> None:
         "the registered one, sided as it: an event's exact sign test on the discordant pairs "
         "(one-sided, as Fisher's), a continuous endpoint's paired t or TOST (paired "
         "already), over the pairs whose step-1 batch matches. *Pairing*: a pair whose "
-        "step-1 fingerprints (fp/batch, "
-        "fp/machine) differ, or for runs without them whose step-1 reward, length, entropy "
+        "step-1 fingerprints (fp_batch, "
+        "fp_machine) differ, or for runs without them whose step-1 reward, length, entropy "
         "and dials differ, is named and left out of the paired test; the registered test "
         "keeps every run, as registered. Corrections, in the families the presets register: "
         "Holm and Benjamini–Hochberg within each experiment's endpoints (Holm for the paired "

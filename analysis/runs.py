@@ -323,9 +323,17 @@ def load_raw(root: Path, exp: str) -> pd.DataFrame:
                     **config_columns(step_cfg, swept),
                     weights_sha=model.get("weights_sha"),
                     recipe_hash=model.get("recipe_hash"),
+                    **fingerprints(meta),
                 )
             )
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def fingerprints(meta: dict) -> dict[str, str | None]:
+    """fp_batch: the step-1 batch's hash; fp_machine: the machines' hashes in the order the
+    run's starts used them, '+'-joined (harness.runs.fingerprint); None where not recorded."""
+    machines = "+".join(dict.fromkeys(m["hash"] for m in meta.get("machines", [])))
+    return {"fp_batch": meta.get("batch_fingerprint"), "fp_machine": machines or None}
 
 
 def swept_keys(run: Path) -> set[str]:

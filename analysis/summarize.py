@@ -6,9 +6,9 @@
 
 Per-step rows (run × step, selected metrics, arm/seed/config columns); runs that did not reach
 their configured `steps` are kept and flagged `complete = False` (the figures drop them). Beside
-it: `mechanism.csv` (every run's step-0 mechanism check, one row per run, mechanism-only runs
-included) and `prereg.yaml` (the pre-registration the runs were made under; runs that disagree
-on it are an error, not a merge).
+it: `meta/<run>.json` (each run's meta.json, for audit), `mechanism.csv` (every run's step-0
+mechanism check, one row per run, mechanism-only runs included) and `prereg.yaml` (the
+pre-registration the runs were made under; runs that disagree on it are an error, not a merge).
 
 Nothing is replaced silently: without `force=true` it refuses, naming the runs, when the raw
 runs are not one experiment (`analysis.runs.config_problems`: a key that differs although no
@@ -113,6 +113,17 @@ def keep_committed(
     return df.reset_index(drop=True), mech.reset_index(drop=True), problems
 
 
+def copy_meta(exp_dir: Path, runs) -> None:
+    """Each run's meta.json (start and end times, host, threads, machines, git, overrides,
+    fingerprints) beside the summary, as meta/<run>.json: small, committed, so a reader can
+    check when a run ran against its registration commit. A run with no folder here (keep=true)
+    keeps the copy committed before."""
+    for run in runs:
+        src = exp_dir / run / "meta.json"
+        if src.exists():
+            write_text_atomic(exp_dir / "meta" / f"{run}.json", src.read_text())
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("experiments", nargs="*", default=EXPERIMENTS)
@@ -150,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             write_text_atomic(root / exp / "prereg.yaml", yaml.safe_dump(prereg, sort_keys=False))
         out = root / exp / "summary.csv"
         write_text_atomic(out, df.to_csv(index=False, float_format="%.5g"))
+        copy_meta(root / exp, df.run.unique())
         n = df.groupby("run").complete.first()
         print(f"[summarize] {exp}: {n.sum()} complete / {len(n)} runs → {out}")
 

@@ -487,7 +487,7 @@ def test_a_pair_whose_step_1_differs_is_named_with_why():
     """Seed 1's fix run saw another batch (reward 0.375 vs 0.28125, as seed 603's calibrated
     run); roundoff-level dials (2.9e-6 vs 2.6e-6) and the 5-digit rounding are no difference;
     a seed without a control run is not compared; fingerprints, where both runs have them,
-    decide (a differing fp/machine is named even when the metrics agree)."""
+    decide (a differing fp_machine is named even when the metrics agree)."""
     from analysis.claims import broken_pairs
 
     runs = _step1(
@@ -505,17 +505,17 @@ def test_a_pair_whose_step_1_differs_is_named_with_why():
         (1, "fix"): "seed 1: fix's step 1 differs from C's: reward_mean 0.375 vs 0.2812, "
         "entropy_mean 0.3462 vs 0.3438"
     }
-    fp = {"fp/batch": "ab12", "fp/machine": "m1"}
+    fp = {"fp_batch": "ab12", "fp_machine": "m1"}
     signed = _step1(
         [
             ("C", 0, 0.3, 0.3, 0.3, fp),
             ("T", 0, 0.9, 0.3, 0.3, fp),  # the fingerprints agree: the metrics are not read
             ("C", 1, 0.3, 0.3, 0.3, fp),
-            ("T", 1, 0.3, 0.3, 0.3, {**fp, "fp/machine": "m2"}),
+            ("T", 1, 0.3, 0.3, 0.3, {**fp, "fp_machine": "m2"}),
         ]
     )
     assert broken_pairs(signed, "C") == {
-        (1, "T"): "seed 1: T's step 1 differs from C's: fp/machine m2 vs m1"
+        (1, "T"): "seed 1: T's step 1 differs from C's: fp_machine m2 vs m1"
     }
 
 

@@ -198,6 +198,17 @@ def test_summarize_reads_raw_runs(tmp_path):
     mech = pd.read_csv(tmp_path / "nsr_vs_decay" / "mechanism.csv")
     assert mech.oob_frac.tolist() == [0.1, 0.2] and mech.trained.all()
     assert yaml.safe_load((tmp_path / "nsr_vs_decay" / "prereg.yaml").read_text()) == {"claim": "c"}
+    assert not (tmp_path / "nsr_vs_decay" / "meta").exists()  # the runs wrote no meta.json
+    meta = {"batch_fingerprint": "ab12", "machines": [{"hash": "m1"}, {"hash": "m2"}]}
+    (run / "meta.json").write_text(json.dumps(meta))
+    summarize(["nsr_vs_decay", "--results", str(tmp_path)])
+    kept = tmp_path / "nsr_vs_decay" / "meta" / f"{run.name}.json"
+    assert json.loads(kept.read_text()) == meta  # committed beside the summary, for audit
+    df = pd.read_csv(tmp_path / "nsr_vs_decay" / "summary.csv")
+    assert df[df.seed == 1][["fp_batch", "fp_machine"]].drop_duplicates().values.tolist() == [
+        ["ab12", "m1+m2"]
+    ]
+    assert df[df.seed == 0].fp_batch.isna().all()
     # an amendment that adds a key (an A/A cell) governs the runs made under it and the earlier
     # ones together; one that changes a registered key is refused
     cfg = {**_cfg(1), "prereg": {"claim": "c", "aa_offset": 1000}}
