@@ -1269,3 +1269,13 @@ def test_meta_records_the_step1_batch_and_the_machine(tmp_path):
     assert one == batch_fingerprint(["p"], torch.tensor([[5, 6, 9]]), mask)  # padding is not
     assert one != batch_fingerprint(["p"], torch.tensor([[5, 7, 0]]), mask)  # a sampled token is
     assert one != batch_fingerprint(["q"], ids, mask)
+
+
+def test_the_mechanism_check_takes_one_sided_clips(tmp_path, alternating_reward):
+    """The dissection's arms: the upper clip alone (ε_l = 1: no lower bound, log 0 was a math
+    domain error) and the lower clip alone (ε_h = ∞): nothing is clipped on the open side."""
+    from harness.rl import mechanism
+
+    upper = mechanism.run(_cfg(tmp_path / "a", "objective=ppo_clip", "objective.eps_low=1.0"))
+    lower = mechanism.run(_cfg(tmp_path / "b", "objective=ppo_clip", "objective.eps_high=inf"))
+    assert upper["neg_low_clip"] == 0.0 and lower["pos_high_clip"] == 0.0
