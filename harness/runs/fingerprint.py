@@ -10,7 +10,6 @@ fp_machine) and analysis.claims leaves out of the paired tests any pair whose fi
 from __future__ import annotations
 
 import hashlib
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 from torch import Tensor
 
 from harness.runs.launch import read_json, update_meta
+from harness.tasks.warmstart import cpu_name
 
 
 def digest(*parts: bytes) -> str:
@@ -34,21 +34,11 @@ def batch_fingerprint(prompts: list[str], response_ids: Tensor, response_mask: T
     return digest(*(p.encode() for p in prompts), ids.tobytes())
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(world: int) -> dict[str, Any]:
     """What can change a run's floats: the CPU, the threads, the torch build, the world size
     (and the GPU where there is one); `hash` is the fingerprint of the rest."""
     fields = {
-        "cpu": cpu_model(),
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "world": world,
