@@ -55,12 +55,15 @@ METRICS = [
     "time/step_s",
     # the optimizer and the clip per arm, for audit: the gradient norm before clipping, the share
     # of updates grad clipping rescaled, deletions by the advantage's sign, the IS weight's tail
+    # and the tail of the coefficient on ∇log π where the gradient survives
     "grad/norm",
     "grad/clipped",
     "mask/frac_neg",
     "mask/frac_pos",
     "is/weight_p99",
     "is/weight_max",
+    "grad/coef_p99",
+    "grad/coef_max",
     # where the deletions fall: at EOS (a response that stopped) and at a terminal loop's first
     # copy, as shares of response tokens beside the share of such tokens (harness.stats.repetition)
     *(f"{k}_{place}" for place in ("eos", "loop") for k in PLACE_METRICS),

@@ -786,3 +786,23 @@ def test_token_places_mark_the_first_copy_of_a_terminal_loop():
     n = len(tokens)
     place = token_places(torch.tensor([tokens]), torch.ones(1, n), budget=n)
     assert place[0].nonzero()[:, 0].tolist() == [6, 7] and set(place[0, [6, 7]].tolist()) == {2}
+
+
+def test_gradient_coefficient_tail_by_hand():
+    # PPO clip [0.8, 1.28], dual clip c = 3, on π_θ/π_old: r = [0.5, 1.0, 1.5, 1.1, 4.0] with
+    # A = [−1, −1, +1, +1, −1]. ∇log π's coefficient per unit of A is r where the gradient
+    # survives and 0 where the clip (0.5 below, 1.5 above) or the dual clip (4.0 > 3) holds it:
+    # [0, 1.0, 0, 1.1, 0] → over the live ones p99 = 1.0 + 0.99·0.1 = 1.099, max 1.1
+    b = make([[0.0] * 5], [[0.0] * 5], [[-1.0, -1.0, 1.0, 1.0, -1.0]])
+    logp = [[L(0.5), 0.0, L(1.5), L(1.1), L(4.0)]]
+    m = run(build_objective("ppo_clip", c=3.0), logp, b)[2]
+    assert m["grad/coef_p99"] == pytest.approx(1.099, abs=1e-5)
+    assert m["grad/coef_max"] == pytest.approx(1.1, abs=1e-6)
+    # without the dual clip the A < 0 token at r = 4 keeps its gradient: its coefficient is 4
+    assert run(build_objective("ppo_clip"), logp, b)[2]["grad/coef_max"] == pytest.approx(4.0)
+    # TIS C = 2 multiplies by min(π_old/μ, 2): μ at half π_old's probability doubles every one
+    tis = make([[0.0] * 5], [[L(0.5)] * 5], [[-1.0, -1.0, 1.0, 1.0, -1.0]])
+    m = run(build_objective("tis", cap=2.0), logp, tis)[2]
+    # live [2.0, 2.2, 8.0]: p99 at 0.99·2 = 1.98 of the sorted list, 2.2 + 0.98·5.8 = 7.884
+    assert m["grad/coef_p99"] == pytest.approx(7.884, rel=1e-4)
+    assert m["grad/coef_max"] == pytest.approx(8.0, rel=1e-6)

@@ -327,6 +327,27 @@ def policy_metrics(
     return out | {"is/ess": ess(weight, k), "is/ess_seq": ess(w_seq, (per_seq > 0).to(w_seq))}
 
 
+@torch.no_grad()
+def _tail(x: Tensor) -> dict[str, float]:
+    if not x.numel():
+        return {"grad/coef_p99": math.nan, "grad/coef_max": math.nan}
+    return {"grad/coef_p99": float(x.quantile(0.99)), "grad/coef_max": float(x.max())}
+
+
+def gradient_coefficient_tail(per_token: Tensor, logp: Tensor, batch: TokenBatch) -> dict:
+    """The coefficient each token's ∇log π_θ gets per unit of advantage, whatever the objective:
+    c_t = −(∂Σℓ/∂log π_t)/A_t (r_t for an unclipped PPO token, 0 for a clipped one, sg(clip(r))
+    for CISPO, times a correction's weight; for a sequence-level ratio, the token's share of
+    it). Its 99th percentile and maximum over the tokens whose gradient survives (c ≠ 0): how
+    far the update's weights reach on the unclipped side. One backward from the per-token
+    losses to log π only (the surrogate, not the model)."""
+    (g,) = torch.autograd.grad(per_token.sum(), logp, retain_graph=True)
+    adv = batch.advantages
+    live = (batch.mask > 0) & (adv != 0)
+    c = torch.where(live, -g / torch.where(live, adv, 1.0), 0.0).detach().float()
+    return _tail(c[live & (c != 0)])
+
+
 # --- the composed objective ----------------------------------------------------------------------
 
 
@@ -372,5 +393,8 @@ class PolicyObjective(Objective):
             weight, keep = weight * w, keep * k
         num = batch.mask * keep
         den = batch.mask if self.rejected_in_denominator else num
-        loss = self.aggregate(torch.where(num > 0, s.base * weight.detach(), 0.0), den)
-        return ObjectiveOutput(loss, policy_metrics(batch, weight, keep, s.low, s.high, s.flip))
+        per_token = torch.where(num > 0, s.base * weight.detach(), 0.0)
+        metrics = policy_metrics(batch, weight, keep, s.low, s.high, s.flip)
+        if logp.requires_grad:
+            metrics |= gradient_coefficient_tail(per_token, logp, batch)
+        return ObjectiveOutput(self.aggregate(per_token, den), metrics)
