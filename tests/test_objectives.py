@@ -806,3 +806,16 @@ def test_gradient_coefficient_tail_by_hand():
     # live [2.0, 2.2, 8.0]: p99 at 0.99·2 = 1.98 of the sorted list, 2.2 + 0.98·5.8 = 7.884
     assert m["grad/coef_p99"] == pytest.approx(7.884, rel=1e-4)
     assert m["grad/coef_max"] == pytest.approx(8.0, rel=1e-6)
+
+
+def test_one_sided_clips_of_the_dissection_by_hand():
+    # upper clip only (ε_l = 1: window [0, 1.28]): A < 0 at r = 0.1 keeps its gradient 0.1
+    # (the std clip deletes it), A > 0 at r = 1.5 is still clipped; lower clip only
+    # (ε_h = ∞: [0.8, ∞)): A > 0 at r = 5 keeps its gradient 5, A < 0 at r = 0.5 is clipped
+    b = make([[0.0] * 2], [[0.0] * 2], [[-1.0, 1.0]])
+    _, g, m = run(build_objective("ppo_clip", eps_low=1.0), [[L(0.1), L(1.5)]], b)
+    assert g[0].tolist() == pytest.approx([0.1 / 2, 0.0]) and m["clip/frac_high"] == 0.5
+    _, g, m = run(build_objective("ppo_clip", eps_high=math.inf), [[L(0.5), L(5.0)]], b)
+    assert g[0].tolist() == pytest.approx([0.0, -5.0 / 2]) and m["clip/frac_low"] == 0.5
+    _, g, _ = run(build_objective("ppo_clip"), [[L(0.1), L(5.0)]], b)
+    assert g[0].tolist() == [0.0, 0.0]  # the std clip deletes both
