@@ -255,8 +255,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     if (warning := no_signal(rewards)) is not None:
                         print(warning, file=sys.stderr, flush=True)
             last = m
-            shown = {"reward": "reward/mean", "entropy": "entropy/mean", "eval": "eval/acc"}
-            bar.set_postfix({k: round(m[v], 3) for k, v in shown.items() if v in m})
+            postfix = {"reward": "reward/mean", "entropy": "entropy/mean", "eval": "eval/acc"}
+            bar.set_postfix({k: round(m[v], 3) for k, v in postfix.items() if v in m})
             aborting = nonfinite_run >= cfg.guard.max_nonfinite
             due = step % cfg.checkpoint_every == 0 or step == cfg.steps
             if aborting or (nonfinite_run == 0 and due):

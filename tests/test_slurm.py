@@ -346,3 +346,26 @@ def test_run_task_checks_nodes_before_compute(tmp_path):
     with pytest.raises(TypeError, match="unknown argument"):
         run_task(called.append, cfg)
     assert not called and not (tmp_path / "meta.json").exists()  # refused: nothing recorded
+
+
+def test_an_interrupted_run_says_where_it_stopped_in_one_line(tmp_path, capsys):
+    """^C: one line (last step, last checkpoint, how to resume), exit code 130, no traceback;
+    the record says interrupted."""
+
+    def two_steps_then_ctrl_c(c):
+        (tmp_path / "checkpoints").mkdir()
+        (tmp_path / "checkpoints" / "step_2.pt").write_bytes(b"")
+        lines = [json.dumps({"step": s}) for s in (1, 2, 3)]
+        (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        raise KeyboardInterrupt
+
+    cfg = OmegaConf.create({"out": str(tmp_path)})
+    with pytest.raises(SystemExit) as e:
+        run_task(two_steps_then_ctrl_c, cfg)
+    assert e.value.code == 130 and e.value.__cause__ is None
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"[launch] interrupted after step 3 in {tmp_path}; rerun the same command to resume "
+        "from the checkpoint of step 2"
+    )
+    assert meta(tmp_path)["status"] == "interrupted"

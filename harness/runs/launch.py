@@ -159,6 +159,23 @@ def adopt_hydra_record(run: Path, keep: bool = True) -> None:
         hydra_dir.rmdir()
 
 
+def stopped_line(run: Path) -> str:
+    """One line for a run a person interrupted: its last logged step, its last checkpoint, and
+    how to go on (rerunning the same command resumes from the checkpoint)."""
+    lines = (
+        (run / "metrics.jsonl").read_text().split("\n") if (run / "metrics.jsonl").exists() else []
+    )
+    steps = [json.loads(ln)["step"] for ln in lines if ln.startswith("{") and ln.endswith("}")]
+    saved = [int(p.stem.rsplit("_", 1)[1]) for p in (run / "checkpoints").glob("step_*")]
+    done = f"after step {steps[-1]}" if steps else "before its first step"
+    if not saved:
+        return f"[launch] interrupted {done} in {run}; no checkpoint yet: a rerun starts over"
+    return (
+        f"[launch] interrupted {done} in {run}; rerun the same command to resume from the "
+        f"checkpoint of step {max(saved)}"
+    )
+
+
 def run_task(
     fn: Callable[[DictConfig], T],
     cfg: DictConfig,
@@ -227,6 +244,9 @@ def run_task(
         raise
     except BaseException as e:  # SystemExit from submitit's requeue handler, KeyboardInterrupt
         _finish(run, attempt, "interrupted", t0, error=type(e).__name__)
+        if isinstance(e, KeyboardInterrupt) and not attempt["slurm"]:  # a person pressed ^C
+            print(stopped_line(run), file=sys.stderr, flush=True)
+            raise SystemExit(130) from None  # the shell's code for ^C, without the traceback
         raise
     _finish(run, attempt, "completed", t0)
     return result
