@@ -63,12 +63,13 @@ class TrainingAborted(RuntimeError):
     pass
 
 
-def start(cfg: DictConfig) -> tuple[Path, Setup, int, dict]:
-    """Validate, run the step-0 mechanism check (collective across ranks: each scores its share of
-    the batches with the sharded trainer, as a step does; its draws cannot move the run's), build
-    the setup, resume, and record the config when a step will run: (run dir, setup, first step,
-    guard state)."""
-    validate(cfg)
+def start(cfg: DictConfig, validated: bool = False) -> tuple[Path, Setup, int, dict]:
+    """Validate (unless the launcher did), run the step-0 mechanism check (collective across
+    ranks: each scores its share of the batches with the sharded trainer, as a step does; its
+    draws cannot move the run's), build the setup, resume, and record the config when a step will
+    run: (run dir, setup, first step, guard state)."""
+    if not validated:
+        validate(cfg)
     ranks = distributed.environment()
     validate_ranks(cfg, ranks.world)
     distributed.init(ranks, resolve_device(cfg.engine.device), always=fsdp(cfg))
@@ -217,9 +218,9 @@ def beta_scale(cfg: DictConfig, step: int) -> float:
     return 1.0 + (cfg.drivers.beta_growth - 1.0) * (step - 1) / max(cfg.steps - 1, 1)
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
     """Start (or resume), then steps first..cfg.steps: train, evaluate, log, checkpoint."""
-    run_dir, s, first, guard = start(cfg)
+    run_dir, s, first, guard = start(cfg, validated)
     eval_problems = s.task.sample(cfg.eval_n, "eval", cfg.eval_seed)
     budget, temperature = token_budget(cfg, s.task), cfg.rollout.temperature
     t_start, lead = time.time(), s.ranks.rank == 0
@@ -289,7 +290,7 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
 
 @hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    return run_task(run, cfg, check=validate)
+    return run_task(partial(run, validated=True), cfg, check=validate)  # validated once, first
 
 
 if __name__ == "__main__":
