@@ -105,6 +105,8 @@ def test_every_preset_exists():
         "smollm2_collapse_dose_pilot",
         "smollm2_opsd_pilot",
         "smollm2_opsd_confirm",
+        "smollm2_clip_dissect",
+        "smollm2_fp8_full_pilot",
     }
     for name in PRESETS:
         assert (EXP / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
