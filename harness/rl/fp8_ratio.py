@@ -30,9 +30,10 @@ from harness.base.io import write_json_atomic
 from harness.base.models import load_model, weights_sha
 from harness.base.registry import build
 from harness.noise import Fp8Trainer, build_noise
+from harness.objectives.core import Window
 from harness.tasks import TASKS
 
-WINDOW = (0.8, 1.28)  # the clip confirm's [1 − 0.2, 1 + 0.28]
+WINDOW = Window().clip  # the reference clip, the clip confirm's [1 − 0.2, 1 + 0.28]
 
 
 @torch.no_grad()
