@@ -50,7 +50,7 @@ from harness.rl.alpha import minibatch_schedule
 from harness.rl.setup import Setup, build_setup, r2, rollout_sampling, step_seed, token_budget
 from harness.rl.step import collect, evaluate, gather_batch, share_rows, update, update_distill
 from harness.runs import config as _schema  # noqa: F401  (registers the structured-config schema)
-from harness.runs import fingerprint
+from harness.runs import fingerprint, plugins
 from harness.runs.launch import run_task, update_meta
 from harness.runs.tracking import SIGNAL_STEPS, Tracker, no_signal, plain_line
 from harness.runs.validate import fsdp, validate, validate_ranks
@@ -296,4 +296,5 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 if __name__ == "__main__":
     from harness.train import main as _main  # by reference: submitit pickles harness.train.main
 
+    plugins.load(plugins.from_argv(sys.argv[1:]))  # before composition: objective=<a plugin's>
     _main()

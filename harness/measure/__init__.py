@@ -58,6 +58,7 @@ from harness.objectives import build_objective
 from harness.rl.alpha import minibatch_schedule, perturb_weights_
 from harness.rl.setup import build_policy, build_sampler, r2, step_seed
 from harness.rl.step import Sampling, adamw, collect, update
+from harness.runs import plugins
 from harness.runs.config import EngineCfg, ModelCfg, OptimCfg, RolloutCfg, open_schema
 from harness.runs.launch import run_task
 from harness.runs.validate import ATTENTIONS, check_nodes, noise_nodes, split_node
@@ -148,6 +149,7 @@ class MeasureConfig:
     optim: OptimCfg = field(default_factory=lambda: OptimCfg(lr=5e-5, beta2=0.999))
     live: LiveCfg = field(default_factory=LiveCfg)
     measurement: MeasurementCfg = field(default_factory=MeasurementCfg)
+    plugins: list[str] = field(default_factory=list)  # the user's own rules (harness.runs.plugins)
 
 
 OPEN_NODES = ("noise", "objective")  # kwargs checked against the builders at start-up
@@ -155,7 +157,7 @@ OPEN_NODES = ("noise", "objective")  # kwargs checked against the builders at st
 # μ's noise in the default run: FP8 block-wise W8A8 (E4M3 128×128 weight blocks, 1×128 activation
 # tiles, as DeepSeek-V3; the other kwargs are harness.noise.Fp8Noise's defaults). An option of the
 # noise group of its own, so that noise=<name> replaces it whole: no kwarg leaks into another
-# noise model, and noise=fp8 stays experiments/noise/fp8.yaml.
+# noise model, and noise=fp8 stays the registry's fp8.
 DEFAULT_NOISE = {"name": "fp8", "granularity": "block", "activations": True}
 
 
@@ -773,6 +775,7 @@ CONFIGS = str(Path(__file__).resolve().parents[2] / "experiments")
 
 @hydra.main(config_path=CONFIGS, config_name="measure", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    plugins.load_config(cfg)
     validate(cfg)  # before run_task records meta.json in the run folder
     guard_committed(cfg)
     print(OmegaConf.to_yaml(cfg))

@@ -171,4 +171,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from harness.runs import plugins
+
+    plugins.load(plugins.from_argv(sys.argv[1:]))  # before composition: objective=<a plugin's>
     main()

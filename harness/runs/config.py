@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from harness.runs.plugins import store_groups
 from harness.tasks import TEACHER_PROMPT
 
 
@@ -175,6 +176,9 @@ class TrainConfig:
     # arms, endpoints and tests); read by analysis/claims.py from the runs' config.yaml, and part
     # of the resume contract, so it cannot change under a run
     prereg: dict[str, Any] = field(default_factory=dict)
+    # modules or .py files registering the user's own objectives, noise models, tasks and
+    # aggregations, imported in every process of the run before any check (harness.runs.plugins)
+    plugins: list[str] = field(default_factory=list)
     # the preset's arms: label -> {dotted config key: value} that selects the arm (the legend and
     # the prereg's treatment/control name them); read by analysis.runs.arm_label, outside the
     # resume contract (harness.rl.checkpoint.RESUME_FREE)
@@ -288,3 +292,4 @@ def schema() -> DictConfig:
 
 
 ConfigStore.instance().store(name="train_schema", node=schema())
+store_groups()  # `objective=<name>` for every registered name (harness.runs.plugins)
