@@ -314,9 +314,9 @@ def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
     if changed and cfg.resume != "override":
         listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
         raise RefusedRerun(
-            f"{run_dir} holds a run with a different config or plugin code ({listing}). Resuming would mix "
-            "two configs. Rerun with resume=override to apply the new values to the restored "
-            "run (recorded in meta.json), or use a new out= directory."
+            f"{run_dir} holds a run with a different config or plugin code ({listing}). "
+            "Resuming would mix two configs. Rerun with resume=override to apply the new values "
+            "to the restored run (recorded in meta.json), or use a new out= directory."
         )
     return changed
 
