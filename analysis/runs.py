@@ -25,6 +25,7 @@ import yaml
 
 from harness.base.io import write_text_atomic
 from harness.rl.checkpoint import effective, flatten
+from harness.runs import plugins
 
 PLACE_METRICS = ("place/frac", "clip/frac_low", "clip/frac_high", "mask/frac")
 # metrics.jsonl keys kept in summary.csv ('/' → '_')
@@ -104,6 +105,7 @@ def config_value(cfg: dict, key: str):
     else:
         return node
     if len(parts) == 2 and parts[0] in ("objective", "noise") and parts[0] in cfg:
+        plugins.load(cfg.get("plugins") or [])  # a plugin's builder gives its own defaults
         if parts[0] == "objective":
             from harness.objectives import OBJECTIVES as builders
         else:
