@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from harness import CONFIGS
 from harness.base.io import write_text_atomic
 from harness.rl.checkpoint import effective, flatten
 from harness.runs import plugins
@@ -144,11 +145,10 @@ def preset_config(exp: str) -> dict:
 
     from harness.runs import config as _schema  # noqa: F401  (registers train_schema)
 
-    root = Path(__file__).resolve().parents[1] / "experiments"
-    if not (root / "experiment" / f"{exp}.yaml").exists():
+    if not (CONFIGS / "experiment" / f"{exp}.yaml").exists():
         return {}
     try:
-        with initialize_config_dir(config_dir=str(root), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
             cfg = compose("train", overrides=[f"experiment={exp}"])
     except (HydraException, OmegaConfBaseException):  # a measure preset
         return {}

@@ -40,6 +40,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from harness import CONFIGS
 from harness.base import distributed
 from harness.base.io import write_json_atomic
 from harness.base.models import resolve_device
@@ -285,10 +286,7 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
     return last
 
 
-CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
-
-
-@hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")
+@hydra.main(config_path=str(CONFIGS), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
     return run_task(partial(run, validated=True), cfg, check=validate)  # validated once, first
 

@@ -50,6 +50,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from harness import CONFIGS
 from harness.base.batch import TokenBatch, log_rho
 from harness.base.io import write_json_atomic, write_text_atomic
 from harness.base.models import DTYPES, load_model, resolve_device, set_tf32, weights_sha
@@ -770,10 +771,7 @@ def run(cfg: DictConfig) -> dict:
     return report["summary"]
 
 
-CONFIGS = str(Path(__file__).resolve().parents[2] / "experiments")
-
-
-@hydra.main(config_path=CONFIGS, config_name="measure", version_base="1.3")
+@hydra.main(config_path=str(CONFIGS), config_name="measure", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     plugins.load_config(cfg)
     validate(cfg)  # before run_task records meta.json in the run folder

@@ -40,8 +40,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 
+from harness import CONFIGS
+
 ENTRY_POINTS = "ratiolab.plugins"
-CONFIGS = Path(__file__).resolve().parents[2] / "experiments"
 
 # what this process imported: the plugin as named -> {plugin, file, sha256}
 _LOADED: dict[str, dict[str, str]] = {}

@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness import CONFIGS
 from harness.base import distributed
 from harness.base.batch import ADVANTAGES
 from harness.base.models import BUILTIN_SPECS, DTYPES, resolve_device
@@ -22,8 +23,6 @@ from harness.runs.prereg import check_prereg
 from harness.runs.tracking import LOGGERS
 from harness.sampling.logprobs import check_sampling
 from harness.sampling.samplers import check_sampler
-
-REPO = Path(__file__).resolve().parents[2]
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
@@ -98,8 +97,6 @@ def check_nodes(cfg: DictConfig) -> None:
 
 GROUP_NODES = ("task", "noise", "objective", "aggregation")  # node {name, **kwargs} = group file
 
-CONFIGS = REPO / "experiments"
-
 
 def group_option_name(group: str, option: str) -> str | None:
     """The `name` that option `option` of config group `group` sets: its file under
@@ -121,9 +118,9 @@ def check_group_names(cfg: DictConfig) -> None:
     """Each swept axis's name is the one its chosen group file sets. Hydra merges `noise.name=X`
     into the node of the option chosen (noise=none), so the run would get that option's keys,
     not X's (noise=logit's `seed: ${seed}`, harness.runs.plugins.group_node: without it every
-    run draws the noise field of the builder's seed 0, whatever its own seed). The group choice is read from the running Hydra
-    job; a config composed outside one (a test's `compose`, a library call) records no choice
-    and is not checked."""
+    run draws the noise field of the builder's seed 0, whatever its own seed). The group choice
+    is read from the running Hydra job; a config composed outside one (a test's `compose`, a
+    library call) records no choice and is not checked."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
