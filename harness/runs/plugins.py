@@ -100,7 +100,7 @@ def _import(plugin: str) -> dict[str, str]:
 def _entry_points() -> list[dict[str, str]]:
     records = []
     for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
-        if ep.value in _LOADED:
+        if ep.module in _LOADED:
             continue
         try:
             ep.load()
