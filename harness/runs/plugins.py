@@ -58,8 +58,9 @@ def sha256(path: Path) -> str:
 
 
 def _import_file(path: Path) -> ModuleType:
-    """A `.py` file as a module of its own name (stem and path hash: two files of one stem do not
-    collide), registered in sys.modules so pickling by reference finds its functions."""
+    """A `.py` file as a module named by its stem and its path's hash (two files of one stem do
+    not collide), in sys.modules as `import` would put it: its classes pickle by reference, and
+    every process that loads the same file gives the module the same name."""
     name = f"ratiolab_plugin_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
