@@ -35,8 +35,25 @@ from harness.base.registry import build
 from harness.objectives import calibrated, methods, nsr, opsd, peers  # noqa: F401  (registries)
 from harness.objectives.core import AGGREGATIONS, OBJECTIVES, Objective, ObjectiveOutput
 
-__all__ = ["AGGREGATIONS", "OBJECTIVES", "Objective", "ObjectiveOutput", "build_objective"]
+__all__ = [
+    "AGGREGATIONS",
+    "OBJECTIVES",
+    "Objective",
+    "ObjectiveOutput",
+    "build_objective",
+    "run_objective",
+]
 
 
 def build_objective(name: str, **kwargs: Any) -> Objective:
     return build(OBJECTIVES, name, "objective", **kwargs)
+
+
+def run_objective(name: str, kwargs: dict[str, Any], aggregation: dict[str, Any]) -> Objective:
+    """The objective a run trains: built from its node's kwargs and, where it takes the
+    aggregation group (`Objective.aggregated`), the group's node {name, **keys} too."""
+    obj = build_objective(name, **kwargs)
+    if not obj.aggregated:
+        return obj
+    agg = dict(aggregation)
+    return build_objective(name, **kwargs, aggregation=agg.pop("name"), **agg)

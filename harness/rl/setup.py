@@ -26,7 +26,7 @@ from harness.base.models import (
 )
 from harness.base.registry import build
 from harness.noise import Fp8Trainer, build_noise
-from harness.objectives import Objective, build_objective
+from harness.objectives import Objective, run_objective
 from harness.rl.alpha import WeightHistory
 from harness.rl.step import Sampling, adamw
 from harness.runs.validate import fsdp, noise_nodes, split_node, task_spec
@@ -158,14 +158,9 @@ def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine,
 
 
 def build_train_objective(cfg: DictConfig) -> Objective:
-    """The objective node's loss; one that takes the aggregation group (`Objective.aggregated`)
-    is built with that group's name and denominator convention."""
+    """The objective node's loss, with the aggregation group where it takes one."""
     name, kw = split_node(cfg.objective)
-    obj = build_objective(name, **kw)
-    if not obj.aggregated:
-        return obj
-    agg_name, agg_kw = split_node(cfg.aggregation)
-    return build_objective(name, **kw, aggregation=agg_name, **agg_kw)
+    return run_objective(name, kw, OmegaConf.to_container(cfg.aggregation, resolve=True))
 
 
 def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:

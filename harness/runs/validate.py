@@ -339,10 +339,11 @@ def check_objective(cfg: DictConfig) -> None:
     """What the objective declares it needs of the run (harness.objectives.core.Objective): a
     teacher exactly when it distils, the aggregation group only where it aggregates, a shadow
     pass that can tell the two precisions apart when it calibrates, and a run long enough."""
-    from harness.objectives import build_objective
+    from harness.objectives import run_objective
 
     name, kw = split_node(cfg.objective)
-    obj = build_objective(name, **kw)
+    aggregation = OmegaConf.to_container(cfg.aggregation, resolve=True)
+    obj = run_objective(name, kw, aggregation)
     if cfg.distill.enabled != obj.needs_teacher:
         want = str(obj.needs_teacher).lower()
         if obj.needs_teacher:
@@ -355,10 +356,10 @@ def check_objective(cfg: DictConfig) -> None:
         raise ValueError(
             f"distill.enabled={str(cfg.distill.enabled).lower()} with objective={name}, which {why}"
         )
-    if not obj.aggregated and OmegaConf.to_container(cfg.aggregation) != {"name": "token-mean"}:
+    if not obj.aggregated and aggregation != {"name": "token-mean"}:
         raise ValueError(
-            f"aggregation={OmegaConf.to_container(cfg.aggregation)} with objective={name}, "
-            "which reduces its own loss (aggregated=False); valid: the default token-mean"
+            f"aggregation={aggregation} with objective={name}, which reduces its own loss "
+            "(aggregated=False); valid: the default token-mean"
         )
     if obj.calibrations(cfg.steps):
         check_shadow_pass(cfg, name)
