@@ -77,11 +77,6 @@ def calibration_every(steps: int, every: int | None = None) -> int:
     return every if every is not None else max(1, min(PAPER_EVERY, steps // 10))
 
 
-def calibrations(steps: int, every: int | None = None) -> int:
-    """How many steps of 1..steps calibrate: 1, 1 + K, 1 + 2K, …"""
-    return (steps - 1) // calibration_every(steps, every) + 1
-
-
 class CalibratedClip(PolicyObjective):
     """PPO clip with stateful [L, H]; `self.policy` keeps the reference window [1−ε_l, 1+ε_h]."""
 
@@ -108,13 +103,14 @@ class CalibratedClip(PolicyObjective):
 
     def check(self, steps: int) -> None:
         """≥ 3 calibrations in the run (a warning below the ≥ 10 the default cadence gives: with
-        EMA 0.9, 3 move [L, H] 27% of the way to its target)."""
-        n = calibrations(steps, self.every)
+        EMA 0.9, 3 move [L, H] 27% of the way to its target). Steps 1, 1 + K, … calibrate."""
+        default = calibration_every(steps)
+        n = self.calibrations(steps)
         if n < min(3, steps):  # a run shorter than 3 steps calibrates every step at best
             raise ValueError(
                 f"objective.every={self.every!r} gives {n} calibration(s) in steps={steps}; "
                 f"valid: every ≤ {max(1, (steps - 1) // 2)} (≥ 3 calibrations), or null (every "
-                f"{calibration_every(steps)} here: {calibrations(steps)} calibrations)"
+                f"{default} here: {len(range(1, steps + 1, default))} calibrations)"
             )
         if n < min(10, steps):
             print(
