@@ -134,7 +134,7 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
         on_step=lambda: s.history.push(s.trainer), restore=partial(checkpoint.roll_back, s)
     )
     reps = repetition_reports(ro.response_ids, ro.response_mask)
-    if s.teacher is not None:
+    if s.objective.needs_teacher:
         t_ids, t_mask, exit_metrics = teacher_inputs(
             s.policy, problems, cfg.distill.teacher_prompt, cfg.rollout.group_size, reps
         )

@@ -115,7 +115,7 @@ def run(cfg: DictConfig, validated: bool = False, ranks: Ranks = ONE) -> dict[st
     s.sampler.close()
     x, p_t, adv, mask = (torch.cat([p[k].flatten() for p in parts])[None] for k in range(4))
     out = check(x, p_t, adv, mask, window)
-    if s.teacher is not None:
+    if s.objective.needs_teacher:
         out |= opsd_check(s, cfg, seen, sampling.max_new_tokens)
     return {
         **out,

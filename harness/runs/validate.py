@@ -7,7 +7,6 @@ and the Slurm pre-submission check (`harness.runs.presubmit`) call these."""
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -322,61 +321,67 @@ def validate(cfg: DictConfig) -> None:
             "a Hugging Face model folder (it has no config.json; "
             "`python -m harness.base.models export <spec> <folder>` writes one)",
         )
-    obj = cfg.objective.name
     misplaced = sorted({"aggregation", *AGGREGATION_KEYS} & set(cfg.objective))
     if misplaced:
         raise ValueError(
             f"objective.{misplaced[0]} is the aggregation group's: set aggregation=<name> and "
             f"aggregation.{'|'.join(AGGREGATION_KEYS)}=<value> instead"
         )
-    if cfg.distill.enabled != (obj == "opsd_fkl"):
-        raise ValueError(
-            "distill.enabled=true needs objective=opsd_fkl, and opsd_fkl needs distill.enabled"
-        )
     if cfg.engine.trainer_fp8 and cfg.noise.name != "fp8":
         raise ValueError(
             f"engine.trainer_fp8=true runs the trainer in the sampler's FP8 recipe, but "
             f"noise={cfg.noise.name!r}; valid: noise=fp8 (or engine.trainer_fp8=false)"
         )
-    if obj == "calibrated_clip":
-        check_calibration(cfg)
+    check_objective(cfg)
 
 
-def check_calibration(cfg: DictConfig) -> None:
-    """Calibrated clipping can calibrate: its two ratios differ, π_θ has moved where it
-    calibrates (the last minibatch), and the run gets ≥ 3 calibrations (a warning below the
-    ≥ 10 the default cadence gives: with EMA 0.9, 3 move [L, H] 27% of the way to its target)."""
-    from harness.objectives.calibrated import calibration_every, calibrations
+def check_objective(cfg: DictConfig) -> None:
+    """What the objective declares it needs of the run (harness.objectives.core.Objective): a
+    teacher exactly when it distils, the aggregation group only where it aggregates, a shadow
+    pass that can tell the two precisions apart when it calibrates, and a run long enough."""
+    from harness.objectives import run_objective
 
+    name, kw = split_node(cfg.objective)
+    aggregation = OmegaConf.to_container(cfg.aggregation, resolve=True)
+    obj = run_objective(name, kw, aggregation)
+    if cfg.distill.enabled != obj.needs_teacher:
+        want = str(obj.needs_teacher).lower()
+        if obj.needs_teacher:
+            why = f"distils from a teacher (inputs={obj.inputs!r}); valid: distill.enabled={want}"
+        else:
+            why = (
+                f"has no use for a teacher (inputs={obj.inputs!r}); valid: distill.enabled="
+                f"{want}, or a distillation objective (inputs='logits', e.g. opsd_fkl)"
+            )
+        raise ValueError(
+            f"distill.enabled={str(cfg.distill.enabled).lower()} with objective={name}, which {why}"
+        )
+    if not obj.aggregated and aggregation != {"name": "token-mean"}:
+        raise ValueError(
+            f"aggregation={aggregation} with objective={name}, which reduces its own loss "
+            "(aggregated=False); valid: the default token-mean"
+        )
+    if obj.calibrations(cfg.steps):
+        check_shadow_pass(cfg, name)
+    obj.check(cfg.steps)
+
+
+def check_shadow_pass(cfg: DictConfig, name: str) -> None:
+    """An objective that calibrates on a high-precision shadow pass can calibrate: its two
+    ratios differ, and π_θ has moved where it calibrates (the last minibatch)."""
     a = cfg.alpha
     if cfg.engine.logp_old_source == "trainer" and not cfg.engine.trainer_fp8:
         raise ValueError(
-            "objective=calibrated_clip calibrates the low-precision π_old against the trainer's "
+            f"objective={name} calibrates the low-precision π_old against the trainer's "
             "high-precision recompute, but engine.logp_old_source='trainer' makes them the same "
-            "tensor (the clip would silently equal ppo_clip); set engine.logp_old_source=sampler "
-            "or engine.trainer_fp8=true (the full FP8 pipeline)"
+            "tensor (the calibration would see no difference); set engine.logp_old_source="
+            "sampler or engine.trainer_fp8=true (the full FP8 pipeline)"
         )
     if a.minibatches == 1 and a.staleness == 0:
         raise ValueError(
-            "objective=calibrated_clip with alpha.minibatches=1 and alpha.staleness=0: π_θ = "
+            f"objective={name} with alpha.minibatches=1 and alpha.staleness=0: π_θ = "
             "π_old on every minibatch it could calibrate on, so the high-precision ratio is "
             "identically 1 and α_low ≡ 0; valid: alpha.minibatches ≥ 2 or alpha.staleness ≥ 1"
-        )
-    every, steps = cfg.objective.get("every"), cfg.steps
-    n = calibrations(steps, every)
-    if n < min(3, steps):  # a run shorter than 3 steps calibrates every step at best
-        raise ValueError(
-            f"objective.every={every!r} gives {n} calibration(s) in steps={steps}; valid: every "
-            f"≤ {max(1, (steps - 1) // 2)} (≥ 3 calibrations), or null (every "
-            f"{calibration_every(steps)} here: {calibrations(steps)} calibrations)"
-        )
-    if n < min(10, steps):
-        ema = cfg.objective.get("ema", 0.9)
-        print(
-            f"[train] warning: objective.every={every} gives {n} calibrations in steps={steps}; "
-            f"with EMA {ema} the window moves {1 - ema**n:.0%} of the way to its target",
-            file=sys.stderr,
-            flush=True,
         )
 
 
