@@ -83,9 +83,18 @@ METRICS = [
 
 def results_root(argv: list[str] | None = None) -> Path:
     """`--results DIR`, else $RATIOLAB_RESULTS, else ./results."""
+    return names_and_root(argv, nargs=0)[1]
+
+
+def names_and_root(argv: list[str] | None, nargs: int | str = "*") -> tuple[list[str], Path]:
+    """The command line of an analysis entry point: its positional names (experiments) and
+    `--results DIR` (else $RATIOLAB_RESULTS, else ./results)."""
     p = argparse.ArgumentParser()
+    if nargs:
+        p.add_argument("names", nargs=nargs)
     p.add_argument("--results", default=os.environ.get("RATIOLAB_RESULTS", "results"))
-    return Path(p.parse_args(argv).results)
+    a = p.parse_intermixed_args(argv)
+    return getattr(a, "names", []), Path(a.results)
 
 
 _UNSET = object()  # a key neither the config nor a builder's signature gives a value
