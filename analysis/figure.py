@@ -1,8 +1,8 @@
 """The figure of any pre-registered experiment, wherever its preset lives: every run's
-trajectory per arm (held-out accuracy, training reward, policy entropy; mean and 95% t-interval
-over seeds, each run thin) with its in-kind events marked (analysis.events), each registered
-endpoint's test over its panel, and each arm's step-0 mechanism check as the footer
-(mechanism.csv).
+trajectory per arm (held-out accuracy, training reward, policy entropy, then each other metric
+an endpoint registers; mean and 95% t-interval over seeds, each run thin) with its in-kind
+events marked (analysis.events), each registered endpoint's test over its panel, and each
+arm's step-0 mechanism check as the footer (mechanism.csv).
 
     python -m analysis.figure [EXPERIMENT ...] [--results DIR]
 
@@ -28,10 +28,18 @@ PANELS = [  # column, title, y label
 ]
 
 
+def panels(prereg: dict) -> list[tuple]:
+    """PANELS, then one panel per other summary column an endpoint registers."""
+    shown = {col for col, *_ in PANELS}
+    metrics = dict.fromkeys(ep["metric"] for ep in prereg["endpoints"])
+    return PANELS + [(m, f"{m} (5-step mean)", m) for m in metrics if m not in shown]
+
+
 def draw(root: Path, exp: str) -> None:
     """The figure of `exp`, titled with its registered claim and source."""
     prereg = yaml.safe_load((Path(root) / exp / "prereg.yaml").read_text())
-    trajectories(root, exp, PANELS, f"{exp}: {prereg['claim']} ({prereg['source']})")
+    title = f"{exp}: {prereg['claim']} ({prereg['source']})"
+    trajectories(root, exp, panels(prereg), title)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -441,9 +441,10 @@ RUN_MECHANISM = {
 }
 
 
-def share(x: float) -> str:
-    """A share as a percentage; "—" when undefined (nothing out of band: no fork share)."""
-    return "—" if pd.isna(x) else f"{x:.0%}"
+def share(x: float, spec: str = ".0%") -> str:
+    """A share as a percentage; "—" when undefined (nothing out of band: no fork share; no
+    token with A < 0 when no response earned a reward)."""
+    return "—" if pd.isna(x) else format(x, spec)
 
 
 def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> str:
@@ -457,7 +458,8 @@ def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> 
             parts.append(
                 f"step 0: {mean.oob_frac:.1%} out of band, {share(mean.fork_oob_share)} of it on "
                 f"forks, {mean.forks_deleted:.0%} of forks outside; A<0 below 1−ε "
-                f"{mean.neg_low_clip:.1%} vs A>0 above 1+ε {mean.pos_high_clip:.1%}; "
+                f"{share(mean.neg_low_clip, '.1%')} vs A>0 above 1+ε "
+                f"{share(mean.pos_high_clip, '.1%')}; "
                 f"μ reward {mean.sampler_reward:.3f}"
             )
             if "teacher_acc" in mean and pd.notna(mean.teacher_acc):  # OPSD runs
