@@ -64,6 +64,7 @@ from harness.runs.config import EngineCfg, ModelCfg, OptimCfg, RolloutCfg, open_
 from harness.runs.launch import run_task
 from harness.runs.validate import validate
 from harness.sampling.engines import Engine, Rollout
+from harness.sampling.rollout import Sampler
 from harness.stats.diagnostics import CONF_EDGES, bin_index, gate, identity_check
 from harness.stats.snr import (
     CI_COLUMNS,
@@ -597,7 +598,7 @@ class Models:
     tok: Any
     trainer_model: torch.nn.Module
     weights_sha: str
-    sampler: Engine
+    sampler: Sampler
     trainer: Engine
     reference: Engine
     live_model: torch.nn.Module | None
