@@ -1,4 +1,5 @@
-"""Named methods of the grid, each a few parts of `core`; `grid` composes new points.
+"""Named methods of the grid, each a few parts of `core` (harness.objectives.grid composes new
+points).
 
 Windows of clip methods are given as eps_low/eps_high around 1; bands of mask/clamp methods as
 absolute lo/hi. Every builder also takes aggregation / rejected_in_denominator / norm_len
