@@ -149,11 +149,12 @@ def preset_config(exp: str) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from harness.runs import config as _schema  # noqa: F401  (registers train_schema)
+    from harness.runs import config
 
     root = Path(__file__).resolve().parents[1] / "experiments"
     if not (root / "experiment" / f"{exp}.yaml").exists():
         return {}
+    config.register()
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3"):
             cfg = compose("train", overrides=[f"experiment={exp}"])

@@ -49,11 +49,11 @@ from harness.rl import checkpoint, mechanism
 from harness.rl.alpha import minibatch_schedule
 from harness.rl.setup import Setup, build_setup, r2, rollout_sampling, step_seed, token_budget
 from harness.rl.step import collect, evaluate, gather_batch, share_rows, update, update_distill
-from harness.runs import config as _schema  # noqa: F401  (registers the structured-config schema)
-from harness.runs import fingerprint
+from harness.runs import config, fingerprint
+from harness.runs.access import fsdp
 from harness.runs.launch import run_task, update_meta
 from harness.runs.tracking import SIGNAL_STEPS, Tracker, no_signal, plain_line
-from harness.runs.validate import fsdp, validate, validate_ranks
+from harness.runs.validate import validate, validate_ranks
 from harness.stats.diagnostics import check_collapse, rollout_dials
 from harness.stats.repetition import repetition_reports
 from harness.tasks import Task
@@ -286,6 +286,7 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
 
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
+config.register()
 
 
 @hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")

@@ -29,11 +29,42 @@ subclass that defines only `__call__(logp, batch)` trains as it is:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from harness.base.registry import build
-from harness.objectives import calibrated, methods, nsr, opsd, peers  # noqa: F401  (registries)
-from harness.objectives.core import AGGREGATIONS, OBJECTIVES, Objective, ObjectiveOutput
+from harness.objectives import calibrated, grid, methods, nsr, opsd, peers
+from harness.objectives.core import AGGREGATIONS, Objective, ObjectiveOutput
+
+# name -> builder, from the modules that define them (the aggregations are core's); a plugin adds
+# its own with `harness.base.registry.register(OBJECTIVES, name)`
+OBJECTIVES: dict[str, Callable[..., Objective]] = {
+    "ppo_clip": methods.ppo_clip,
+    "gspo": methods.gspo,
+    "tis": methods.tis,
+    "mis": methods.mis,
+    "cispo": methods.cispo,
+    "band": methods.band,
+    "dppo_tv": methods.dppo_tv,
+    "cis": methods.cis,
+    "stapo": methods.stapo,
+    "snr_shrink": methods.snr_shrink,
+    "grid": grid.grid,
+    "calibrated_clip": calibrated.calibrated_clip,
+    "nsr": nsr.nsr,
+    "opsd_fkl": opsd.opsd_fkl,
+    "rollout_rs": peers.rollout_rs,
+    "trl_is": peers.trl_is,
+    "opsm": peers.opsm,
+    "geo_mask": peers.geo_mask,
+    "sapo": peers.sapo,
+    "geo_mean": peers.geo_mean,
+    "dppo_kl": peers.dppo_kl,
+    "clip_cov": peers.clip_cov,
+    "kl_cov": peers.kl_cov,
+    "luspo": peers.luspo,
+    "vespo": peers.vespo,
+}
 
 __all__ = [
     "AGGREGATIONS",

@@ -29,9 +29,7 @@ import torch
 from torch import Tensor
 
 from harness.base.batch import TokenBatch
-from harness.base.registry import register
 from harness.objectives.core import (
-    OBJECTIVES,
     SAFETY,
     ObjectiveOutput,
     PolicyObjective,
@@ -182,7 +180,6 @@ class CalibratedClip(PolicyObjective):
         self.low, self.high = float(state["low"]), float(state["high"])
 
 
-@register(OBJECTIVES, "calibrated_clip")
 def calibrated_clip(
     *,
     eps_low: float = 0.2,

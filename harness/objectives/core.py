@@ -39,7 +39,6 @@ from harness.base.registry import check_kwargs, lookup, register
 from harness.stats.diagnostics import BAND, SAFETY, ess
 from harness.stats.repetition import PLACES
 
-OBJECTIVES: dict[str, Callable] = {}
 AGGREGATIONS: dict[str, Callable] = {}
 
 RATIOS = ("trust", "ti", "folded")

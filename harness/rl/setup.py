@@ -29,7 +29,7 @@ from harness.noise import Fp8Trainer, build_noise
 from harness.objectives import Objective, run_objective
 from harness.rl.alpha import WeightHistory
 from harness.rl.step import Sampling, adamw
-from harness.runs.validate import fsdp, noise_nodes, split_node, task_spec
+from harness.runs.access import fsdp, noise_nodes, split_node, task_spec
 from harness.sampling.engines import Engine
 from harness.sampling.rollout import Sampler
 from harness.sampling.samplers import ENGINES
@@ -205,11 +205,13 @@ def step_seed(seed: int, step: int) -> int:
     return seed * 1_000_003 + step
 
 
-def token_budget(cfg: DictConfig, task: Task) -> int:
-    """rollout.max_new_tokens, else (null, the default) the task's own budget."""
+def token_budget(cfg: DictConfig, task: Task | None) -> int:
+    """rollout.max_new_tokens, else (null, the default) the task's own budget (harness.measure
+    has no task: its budget is always set)."""
     return cfg.rollout.max_new_tokens or task.max_new_tokens
 
 
-def rollout_sampling(cfg: DictConfig, task: Task) -> Sampling:
+def rollout_sampling(cfg: DictConfig, task: Task | None = None) -> Sampling:
+    """The `rollout` node as the samplers read it, the budget `token_budget`'s."""
     r = cfg.rollout
     return Sampling(r.group_size, token_budget(cfg, task), r.temperature, r.top_p, r.top_k)

@@ -19,7 +19,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from harness.base.registry import build
-from harness.runs.validate import task_spec, validate
+from harness.runs.access import task_spec
+from harness.runs.validate import validate
 from harness.tasks import TASKS
 
 

@@ -1,8 +1,10 @@
 """Every check a run makes before any compute, in one place: the config's values, the swept
 axes' nodes against their builders (names, kwargs, scalar types), the group-choice names, the
 pre-registration, the model spec and the checks a run across ranks adds. Each error names the
-key, the bad value and what is valid. `harness.train`, `harness.rl.mechanism`, `harness.measure`
-and the Slurm pre-submission check (`harness.runs.presubmit`) call these."""
+key, the bad value and what is valid. `validate` runs once per job: `harness.train` (through
+`run_task`), `harness.measure` (with its own keys' check), `harness.rl.mechanism` and
+`harness.rl.drift` on their own, and the Slurm pre-submission check (`harness.runs.presubmit`)
+on the driver for every sweep point."""
 
 from __future__ import annotations
 
@@ -13,16 +15,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.base import distributed
 from harness.base.batch import ADVANTAGES
 from harness.base.models import BUILTIN_SPECS, DTYPES, resolve_device
 from harness.base.registry import check_kwargs, lookup
+from harness.runs.access import GROUP_NODES, fsdp, group_option_name, noise_nodes
 from harness.runs.prereg import check_prereg
 from harness.runs.tracking import LOGGERS
 from harness.sampling.logprobs import check_sampling
 from harness.sampling.samplers import check_sampler
-
-REPO = Path(__file__).resolve().parents[2]
+from harness.tasks import TASKS
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
@@ -76,8 +77,6 @@ def check_nodes(cfg: DictConfig) -> None:
     each axis's name is its group file's (`check_group_names`)."""
     check_group_names(cfg)
     if "task" in cfg:
-        from harness.tasks import TASKS
-
         _check_node(TASKS, cfg.task, "task")
     noise = [cfg.get("noise"), *(cfg.get("extra_noise") or [])]
     if any(n is not None for n in noise):
@@ -93,27 +92,6 @@ def check_nodes(cfg: DictConfig) -> None:
             _check_node(OBJECTIVES, cfg.objective, "objective")
         if "aggregation" in cfg:
             check_aggregation(cfg.aggregation)
-
-
-GROUP_NODES = ("task", "noise", "objective", "aggregation")  # node {name, **kwargs} = group file
-
-CONFIGS = REPO / "experiments"
-
-
-def group_option_name(group: str, option: str) -> str | None:
-    """The `name` that option `option` of config group `group` sets: its file under
-    experiments/, else the node harness code stored in Hydra's ConfigStore (harness.measure's
-    fp8_block_w8a8); None for an option found in neither."""
-    from hydra.core.config_store import ConfigStore
-    from hydra.plugins.config_source import ConfigLoadError
-
-    path = CONFIGS / group / f"{option}.yaml"
-    if path.exists():
-        return OmegaConf.load(path).get("name")
-    try:
-        return ConfigStore.instance().load(f"{group}/{option}.yaml").node.get("name")
-    except ConfigLoadError:
-        return None
 
 
 def check_group_names(cfg: DictConfig) -> None:
@@ -161,64 +139,66 @@ def check_aggregation(node) -> None:
         check_kwargs(fn, {"norm_len": d["norm_len"]}, f"aggregation {d['name']!r}")
 
 
-def noise_nodes(cfg: DictConfig) -> list[dict[str, Any]]:
-    """μ's injected noise: the `noise` group's node, then the `extra_noise` list (stacked in
-    order); "none" nodes dropped."""
-    nodes = [OmegaConf.to_container(n, resolve=True) for n in [cfg.noise, *cfg.extra_noise]]
-    return [n for n in nodes if n["name"] != "none"]
-
-
-def split_node(node: Any) -> tuple[str, dict[str, Any]]:
-    d = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else dict(node)
-    if "name" not in d:
-        raise ValueError(f"config node {d} needs a `name` (the registry key)")
-    name = d.pop("name")
-    return name, d
-
-
-def task_spec(cfg: DictConfig) -> tuple[str, dict[str, Any], dict | None]:
-    """The task's registry name and kwargs (with model=task-model, the warm-start recipe's task
-    kwargs under the node's) and the recipe (None for other models)."""
-    from harness.tasks.warmstart import resolve_recipe
-
-    task_name, task_kw = split_node(cfg.task)
-    if cfg.model.spec != "task-model":
-        return task_name, task_kw, None
-    recipe = resolve_recipe(task_name, **OmegaConf.to_container(cfg.model.warmstart, resolve=True))
-    return task_name, {**recipe["task_kwargs"], **task_kw}, recipe
-
-
-def fsdp(cfg: DictConfig) -> bool:
-    """Whether the trainer is sharded: engine.fsdp, else (null) when the world has > 1 rank."""
-    if cfg.engine.fsdp is not None:
-        return bool(cfg.engine.fsdp)
-    return distributed.environment().world > 1
-
-
 ATTENTIONS = ("sdpa", "eager")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Every check that needs no model, run before anything is built or warm-started: each error
-    names the key, the bad value and what is valid."""
+def _bad(key: str, value: Any, valid: str) -> ValueError:
+    return ValueError(f"{key}={value!r}; valid: {valid}")
 
-    def bad(key: str, value: Any, valid: str) -> ValueError:
-        return ValueError(f"{key}={value!r}; valid: {valid}")
 
-    for key, value, valid in [
-        ("engine.logp_old_source", cfg.engine.logp_old_source, ("trainer", "sampler")),
-        ("engine.routing_replay_source", cfg.engine.routing_replay_source, ("sampler", "trainer")),
-        ("advantage", cfg.advantage, ADVANTAGES),
-        ("engine.sampler_attention", cfg.engine.sampler_attention, ATTENTIONS),
-        ("engine.sampler_dtype", cfg.engine.sampler_dtype, tuple(DTYPES)),
-        ("engine.trainer_dtype", cfg.engine.trainer_dtype, tuple(DTYPES)),
-        ("resume", cfg.resume, ("strict", "override")),
-        ("logger", cfg.logger, LOGGERS),
-    ]:
+def _check_choices(choices: list[tuple[str, Any, tuple]]) -> None:
+    for key, value, valid in choices:
         if value not in valid:
-            raise bad(key, value, ", ".join(map(repr, valid)))
-    r, a = cfg.rollout, cfg.alpha
+            raise _bad(key, value, ", ".join(map(repr, valid)))
+
+
+def validate(cfg: DictConfig, job: Callable[[DictConfig], None] | None = None) -> None:
+    """Every check that needs no model, run once per job before anything is built or
+    warm-started: the swept-axis nodes, the engine and rollout nodes every job shares, then the
+    job's own checks (`job`: harness.train's, `check_train`, unless another job names its own,
+    as harness.measure does). Each error names the key, the bad value and what is valid."""
+    check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
+    check_engine(cfg)
+    (job or check_train)(cfg)
+
+
+def check_engine(cfg: DictConfig) -> None:
+    """The `engine` and `rollout` nodes as every job that samples and scores reads them: the
+    precisions, attention path and replay source, the sampling settings, the micro-batch budget,
+    the device, and the sampler against μ's injected noise."""
+    eng, r = cfg.engine, cfg.rollout
+    _check_choices(
+        [
+            ("engine.logp_old_source", eng.logp_old_source, ("trainer", "sampler")),
+            ("engine.routing_replay_source", eng.routing_replay_source, ("sampler", "trainer")),
+            ("engine.sampler_attention", eng.sampler_attention, ATTENTIONS),
+            ("engine.sampler_dtype", eng.sampler_dtype, tuple(DTYPES)),
+            ("engine.trainer_dtype", eng.trainer_dtype, tuple(DTYPES)),
+        ]
+    )
     check_sampling(r.temperature, r.top_k, r.top_p, prefix="rollout.")
+    mb = eng.micro_batch_tokens
+    if mb is not None and mb < 1:
+        raise _bad(
+            "engine.micro_batch_tokens",
+            mb,
+            ">= 1 (prompt + response tokens per micro-batch), or null (each minibatch in one pass)",
+        )
+    resolve_device(eng.device)  # a CUDA device must exist here
+    check_sampler(eng, [n["name"] for n in noise_nodes(cfg)], r)
+
+
+def check_train(cfg: DictConfig) -> None:
+    """harness.train's own keys: the loop, the optimizer, the drivers, the pre-registration,
+    the model spec and what the objective needs of the rest of the config."""
+    _check_choices(
+        [
+            ("advantage", cfg.advantage, ADVANTAGES),
+            ("resume", cfg.resume, ("strict", "override")),
+            ("logger", cfg.logger, LOGGERS),
+        ]
+    )
+    r, a = cfg.rollout, cfg.alpha
     checks = [
         (
             "rollout.max_new_tokens",
@@ -260,12 +240,6 @@ def validate(cfg: DictConfig) -> None:
             cfg.mechanism_batches >= 0,
             ">= 0 (0: no mechanism check)",
         ),
-        (
-            "engine.micro_batch_tokens",
-            cfg.engine.micro_batch_tokens,
-            cfg.engine.micro_batch_tokens is None or cfg.engine.micro_batch_tokens >= 1,
-            ">= 1 (prompt + response tokens per micro-batch), or null (each minibatch in one pass)",
-        ),
         # a full-length response alone would exceed every micro-batch: the budget bounds nothing
         (
             "engine.micro_batch_tokens",
@@ -278,27 +252,23 @@ def validate(cfg: DictConfig) -> None:
     ]
     for key, value, ok, valid in checks:
         if not ok:
-            raise bad(key, value, valid)
-    resolve_device(cfg.engine.device)  # a CUDA device must exist here
-    check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
-    injected = [n["name"] for n in noise_nodes(cfg)]
-    check_sampler(cfg.engine, injected, cfg.rollout)
+            raise _bad(key, value, valid)
     if cfg.engine.sampler != "hf" and cfg.drivers.beta_growth != 1.0:
         why = "its β is the engine's own, not a σ that can grow"
-        raise bad(
+        raise _bad(
             "drivers.beta_growth",
             cfg.drivers.beta_growth,
             f"1.0 with engine.sampler={cfg.engine.sampler} ({why})",
         )
     if cfg.drivers.harder_at:  # the harder task's kwargs against the task's builder
         if not cfg.drivers.harder:
-            raise bad(
+            raise _bad(
                 "drivers.harder",
                 {},
                 "the task kwargs that make it harder, e.g. "
                 "{max_number: 20}, when drivers.harder_at > 0",
             )
-        check_nodes(OmegaConf.create({"task": {**cfg.task, **cfg.drivers.harder}}))
+        _check_node(TASKS, OmegaConf.merge(cfg.task, cfg.drivers.harder), "task")
     check_prereg(OmegaConf.to_container(cfg.prereg, resolve=True))  # the preset's endpoints
     spec = cfg.model.spec
     if spec == "task-model":
@@ -308,14 +278,14 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(task_model_mismatch(cfg.task, tuple(RECIPES)))
         resolve_recipe(cfg.task.name, **OmegaConf.to_container(cfg.model.warmstart, resolve=True))
     elif spec not in BUILTIN_SPECS and not Path(spec).is_dir() and "/" not in spec:
-        raise bad(
+        raise _bad(
             "model.spec",
             spec,
             f"task-model, {', '.join(BUILTIN_SPECS)}, a local HF folder "
             "or a Hugging Face hub id (org/name)",
         )
     elif Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
-        raise bad(
+        raise _bad(
             "model.spec",
             spec,
             "a Hugging Face model folder (it has no config.json; "
