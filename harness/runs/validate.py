@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.base.batch import ADVANTAGES
 from harness.base.models import BUILTIN_SPECS, DTYPES, resolve_device
 from harness.base.registry import check_kwargs, lookup
-from harness.runs.access import GROUP_NODES, fsdp, group_option_name, noise_nodes
+from harness.runs.access import GROUP_NODES, fsdp, group_option_name, noise_nodes, split_node
 from harness.runs.prereg import check_prereg
 from harness.runs.tracking import LOGGERS
 from harness.sampling.logprobs import check_sampling
