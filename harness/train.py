@@ -6,8 +6,7 @@
     torchrun --nproc_per_node=N -m harness.train ...         # FSDP2 across N ranks
 
 One step (`train_step`), in reading order:
-  1. μ, the sampler (its own copy of the weights, with the configured noise β), samples G
-     responses per prompt;
+  1. μ, the sampler (its own weights, with the configured noise β), samples G responses a prompt;
   2. rewards and group-normalised advantages (GRPO; `drgrpo` drops the std);
   3. π_old, the trainer at the behaviour weights (`Setup.old_scorer`: a copy under staleness, the
      policy before its update, or — one minibatch — the update's own first pass);
@@ -50,11 +49,11 @@ from harness.rl import checkpoint, mechanism
 from harness.rl.alpha import minibatch_schedule
 from harness.rl.setup import Setup, build_setup, r2, rollout_sampling, step_seed, token_budget
 from harness.rl.step import collect, evaluate, gather_batch, share_rows, update, update_distill
-from harness.runs import config as _schema  # noqa: F401  (registers the structured-config schema)
-from harness.runs import fingerprint, plugins
+from harness.runs import config, fingerprint, plugins
+from harness.runs.access import fsdp
 from harness.runs.launch import run_task, update_meta
 from harness.runs.tracking import SIGNAL_STEPS, Tracker, no_signal, plain_line
-from harness.runs.validate import fsdp, validate, validate_ranks
+from harness.runs.validate import validate, validate_ranks
 from harness.stats.diagnostics import check_collapse, rollout_dials
 from harness.stats.repetition import repetition_reports
 from harness.tasks import Task
@@ -135,7 +134,7 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
         on_step=lambda: s.history.push(s.trainer), restore=partial(checkpoint.roll_back, s)
     )
     reps = repetition_reports(ro.response_ids, ro.response_mask)
-    if s.teacher is not None:
+    if s.objective.needs_teacher:
         t_ids, t_mask, exit_metrics = teacher_inputs(
             s.policy, problems, cfg.distill.teacher_prompt, cfg.rollout.group_size, reps
         )
@@ -284,6 +283,9 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
     del s  # the sharded trainer goes before its process group (distributed.close)
     distributed.close()
     return last
+
+
+config.register()
 
 
 @hydra.main(config_path=str(CONFIGS), config_name="train", version_base="1.3")

@@ -29,6 +29,8 @@ class OwnClip(Objective):
     eps_low/eps_high or lo/hi: `window()` declares them, so the step-0 mechanism check measures
     π_old/μ against [low, high]."""
 
+    aggregated = True  # it takes the aggregation group: aggregation=seq-mean-token-mean works
+
     def __init__(self, *, low: float = 0.5, high: float = 2.0, aggregation: str = "token-mean"):
         if not 0.0 <= low < 1.0 < high:
             raise ValueError(f"own_clip: need 0 <= low < 1 < high; got low={low}, high={high}")
