@@ -217,8 +217,9 @@ def test_the_example_s_own_tests_pass_in_a_copy_outside_the_checkout(tmp_path):
 
 @pytest.mark.slow
 def test_the_example_s_preset_runs_a_two_seed_sweep_into_the_user_s_folder(tmp_path):
-    """The docs' command (docs/own-hypothesis.md), shrunk: both arms × 2 seeds land under the
-    user's results/, each run labelled by the preset's arms."""
+    """The docs' commands (docs/own-hypothesis.md), shrunk: both arms × 2 seeds land under the
+    user's results/, each run labelled by the preset's arms; its claims table and figure are
+    written there, and the checkout's results/ is left as it was."""
     user = Path(shutil.copytree(EXAMPLE, tmp_path / "own_rule"))
     args = ["-m", "harness.train", "-m", "--config-dir", ".", "experiment=own_clip_vs_clamp"]
     args += ["plugins=[own_rule.py]", *[t for t in TINY if not t.startswith("eval_every")]]
@@ -236,4 +237,11 @@ def test_the_example_s_preset_runs_a_two_seed_sweep_into_the_user_s_folder(tmp_p
         ["own clip [0.5, 2]", 0],
         ["own clip [0.5, 2]", 1],
     ]
+    claims = hashlib.sha256((REPO / "results" / "claims.md").read_bytes()).hexdigest()
+    for job in ("analysis.claims", "analysis.figure"):
+        ok(run(["-m", job, "--results", "results"], cwd=user))
+    table = (user / "results" / "claims.md").read_text()
+    assert "| own_clip_vs_clamp |" in table and "own clip [0.5, 2] vs clamp (CISPO [0.5, 2])" in table
+    assert (user / "results" / "own_clip_vs_clamp" / "fig_own_clip_vs_clamp.png").stat().st_size
+    assert hashlib.sha256((REPO / "results" / "claims.md").read_bytes()).hexdigest() == claims
     assert not (REPO / "results" / "own_clip_vs_clamp").exists()
