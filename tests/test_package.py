@@ -18,6 +18,7 @@ COMPOSE = """
 import harness
 from hydra import compose, initialize_config_dir
 from harness.runs import config
+config.register()
 assert harness.__file__.startswith({site!r}), harness.__file__
 with initialize_config_dir(config_dir=str(harness.CONFIGS), version_base="1.3"):
     cfg = compose("train", overrides=["experiment=collapse_reject_vs_clamp", "objective=band"])
