@@ -23,8 +23,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from harness import CONFIGS
 from harness.base.io import write_text_atomic
 from harness.rl.checkpoint import effective, flatten
+from harness.runs import plugins
 
 PLACE_METRICS = ("place/frac", "clip/frac_low", "clip/frac_high", "mask/frac")
 # metrics.jsonl keys kept in summary.csv ('/' → '_')
@@ -113,6 +115,7 @@ def config_value(cfg: dict, key: str):
     else:
         return node
     if len(parts) == 2 and parts[0] in ("objective", "noise") and parts[0] in cfg:
+        plugins.load(cfg.get("plugins") or [])  # a plugin's builder gives its own defaults
         if parts[0] == "objective":
             from harness.objectives import OBJECTIVES as builders
         else:
@@ -151,12 +154,11 @@ def preset_config(exp: str) -> dict:
 
     from harness.runs import config
 
-    root = Path(__file__).resolve().parents[1] / "experiments"
-    if not (root / "experiment" / f"{exp}.yaml").exists():
+    if not (CONFIGS / "experiment" / f"{exp}.yaml").exists():
         return {}
     config.register()
     try:
-        with initialize_config_dir(config_dir=str(root), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
             cfg = compose("train", overrides=[f"experiment={exp}"])
     except (HydraException, OmegaConfBaseException):  # a measure preset
         return {}

@@ -6,8 +6,7 @@
     torchrun --nproc_per_node=N -m harness.train ...         # FSDP2 across N ranks
 
 One step (`train_step`), in reading order:
-  1. μ, the sampler (its own copy of the weights, with the configured noise β), samples G
-     responses per prompt;
+  1. μ, the sampler (its own weights, with the configured noise β), samples G responses a prompt;
   2. rewards and group-normalised advantages (GRPO; `drgrpo` drops the std);
   3. π_old, the trainer at the behaviour weights (`Setup.old_scorer`: a copy under staleness, the
      policy before its update, or — one minibatch — the update's own first pass);
@@ -40,6 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from harness import CONFIGS
 from harness.base import distributed
 from harness.base.io import write_json_atomic
 from harness.base.models import resolve_device
@@ -49,7 +49,7 @@ from harness.rl import checkpoint, mechanism
 from harness.rl.alpha import minibatch_schedule
 from harness.rl.setup import Setup, build_setup, r2, rollout_sampling, step_seed, token_budget
 from harness.rl.step import collect, evaluate, gather_batch, share_rows, update, update_distill
-from harness.runs import config, fingerprint
+from harness.runs import config, fingerprint, plugins
 from harness.runs.access import fsdp
 from harness.runs.launch import run_task, update_meta
 from harness.runs.tracking import SIGNAL_STEPS, Tracker, no_signal, plain_line
@@ -285,11 +285,10 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
     return last
 
 
-CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
 config.register()
 
 
-@hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")
+@hydra.main(config_path=str(CONFIGS), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
     return run_task(partial(run, validated=True), cfg, check=validate)  # validated once, first
 
@@ -297,4 +296,5 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 if __name__ == "__main__":
     from harness.train import main as _main  # by reference: submitit pickles harness.train.main
 
+    plugins.load(plugins.from_argv(sys.argv[1:]))  # before composition: objective=<a plugin's>
     _main()

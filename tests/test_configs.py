@@ -19,6 +19,7 @@ from harness import measure as _measure
 from harness.noise import NOISE
 from harness.objectives import AGGREGATIONS, OBJECTIVES
 from harness.runs.config import TrainConfig
+from harness.runs.plugins import group_node, registries
 from harness.runs.validate import check_nodes, validate
 from harness.tasks import TASKS
 
@@ -132,19 +133,22 @@ def test_preset_composes_over_its_grid(name, tmp_path):
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
-def test_group_files_match_registry(group, tmp_path):
-    """Every group file is a registry entry of its own name, or (noise only) an instance of one
-    that harness.stats.fit_noise wrote (its header says so; its `name` is a registered noise)."""
+def test_group_options_match_registry(group, tmp_path):
+    """Every registry name is an option of its group: a file of its own name where it sets more
+    than the name (task=hf's required path; the task files harness.tasks.warmstart composes
+    below harness.runs), else the registry's own entry (harness.runs.plugins.store_groups). Every
+    other file is (noise only) an instance of a registered noise that harness.stats.fit_noise
+    wrote (its header says so), or noise=none."""
     files = {p.stem: p for p in (EXP / group).glob("*.yaml")}
     fitted = {
         s for s, p in files.items() if "(harness.stats.fit_noise)" in p.read_text().split("\n")[0]
     }
     assert group == "noise" or not fitted
-    assert set(files) - fitted == GROUPS[group]
+    assert set(files) - fitted <= GROUPS[group]
     for option in sorted(fitted):
         node = load("train", [f"{group}={option}"], tmp_path)[0][group]
         assert node.name in GROUPS[group], f"{option}: name {node.name!r} is not a noise model"
-    for option in sorted(set(files) - fitted):
+    for option in sorted(GROUPS[group]):
         cfg, _, _ = load(
             "train", [f"{group}={option}", *REQUIRED.get((group, option), [])], tmp_path
         )
@@ -156,12 +160,16 @@ def test_group_files_match_registry(group, tmp_path):
             assert node.name == option
 
 
-@pytest.mark.parametrize("group", ["objective", "aggregation"])
-def test_group_files_do_not_restate_python_defaults(group):
-    """One source of truth: a group file names its builder and nothing else; the keyword
-    defaults are the builder's signature."""
+@pytest.mark.parametrize("group", ["objective", "aggregation", "noise"])
+def test_no_group_file_restates_the_registry(group):
+    """One source of truth: the registry gives each name its option (`plugins.group_node`: the
+    name, and for a noise with a seed `seed: ${seed}`), so no file under experiments/<group>/
+    says only that; the keyword defaults are the builder's signature."""
+    table = registries()[group]
     for path in sorted((EXP / group).glob("*.yaml")):
-        assert OmegaConf.to_container(OmegaConf.load(path)) == {"name": path.stem}, path
+        node = OmegaConf.to_container(OmegaConf.load(path))  # unresolved: ${seed} stays a string
+        if path.stem in table:
+            assert node != group_node(group, path.stem, table[path.stem]), path
 
 
 def test_noise_files_state_only_what_differs_from_the_builder():

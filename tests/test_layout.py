@@ -152,6 +152,7 @@ def test_history_pattern_by_hand(line, history):
 
 
 FOLDERS = ["harness", "analysis", "benchmarks", "tests", "experiments", "scripts", "hydra_plugins"]
+FOLDERS += ["examples"]
 
 
 @pytest.mark.parametrize("folder", FOLDERS)

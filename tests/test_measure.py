@@ -42,7 +42,7 @@ def test_default_config_is_fp8_block_w8a8_on_smollm2(tmp_path):
     assert measure.noise_label(layer) == "layer(sigma=0.002)"
     assert noise_nodes(_cfg(tmp_path, "noise=fp8")) == [
         {"name": "fp8"}
-    ]  # the group file: builder defaults
+    ]  # the registry's option: builder defaults
     assert noise_nodes(_cfg(tmp_path, "noise=none")) == []
     stacked = noise_nodes(_cfg(tmp_path, "noise=logit", "extra_noise=[{name: layer, sigma: 0.01}]"))
     assert [n["name"] for n in stacked] == ["logit", "layer"]

@@ -576,9 +576,9 @@ def test_calibrated_clip_calibrates_where_the_policy_moved(
 
 
 def test_readme_first_training_command_draws_the_noise_field_of_the_run_seed(tmp_path):
-    """The README's `objective=cispo noise=logit noise.sigma=0.3`: logit.yaml links the noise
-    seed to the run seed (arms paired by seed share one field; the builder's default 0 would
-    give every run the same one)."""
+    """The README's `objective=cispo noise=logit noise.sigma=0.3`: the noise=logit option links
+    the noise seed to the run seed (arms paired by seed share one field; the builder's default 0
+    would give every run the same one)."""
     cfg = _cfg(tmp_path, "objective=cispo", "noise=logit", "noise.sigma=0.3", "seed=5", "steps=1")
     assert cfg.noise == {"name": "logit", "seed": 5, "sigma": 0.3}
     assert train.run(cfg)["step"] == 1

@@ -50,6 +50,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from harness import CONFIGS
 from harness.base.batch import TokenBatch, log_rho
 from harness.base.io import write_json_atomic, write_text_atomic
 from harness.base.models import load_model, resolve_device, set_tf32, weights_sha
@@ -149,6 +150,7 @@ class MeasureConfig:
     optim: OptimCfg = field(default_factory=lambda: OptimCfg(lr=5e-5, beta2=0.999))
     live: LiveCfg = field(default_factory=LiveCfg)
     measurement: MeasurementCfg = field(default_factory=MeasurementCfg)
+    plugins: list[str] = field(default_factory=list)  # the user's own rules (harness.runs.plugins)
 
 
 OPEN_NODES = ("noise", "objective")  # kwargs checked against the builders at start-up
@@ -156,7 +158,7 @@ OPEN_NODES = ("noise", "objective")  # kwargs checked against the builders at st
 # μ's noise in the default run: FP8 block-wise W8A8 (E4M3 128×128 weight blocks, 1×128 activation
 # tiles, as DeepSeek-V3; the other kwargs are harness.noise.Fp8Noise's defaults). An option of the
 # noise group of its own, so that noise=<name> replaces it whole: no kwarg leaks into another
-# noise model, and noise=fp8 stays experiments/noise/fp8.yaml.
+# noise model, and noise=fp8 stays the registry's fp8.
 DEFAULT_NOISE = {"name": "fp8", "granularity": "block", "activations": True}
 
 
@@ -827,11 +829,10 @@ def run(cfg: DictConfig, validated: bool = False) -> dict:
     return report["summary"]
 
 
-CONFIGS = str(Path(__file__).resolve().parents[2] / "experiments")
 register()
 
 
-@hydra.main(config_path=CONFIGS, config_name="measure", version_base="1.3")
+@hydra.main(config_path=str(CONFIGS), config_name="measure", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     print(OmegaConf.to_yaml(cfg))
     return run_task(partial(run, validated=True), cfg, check=check)  # checked once, first

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.base import distributed
 from harness.base.io import RefusedRerun, write_text_atomic
 from harness.base.models import save_folder
+from harness.runs import plugins
 from harness.runs.launch import checkpoints, read_json, update_meta
 from harness.stats.diagnostics import collapse_guard
 
@@ -303,22 +304,37 @@ def config_contract(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
         k: [old.get(k), new.get(k)]
         for k in sorted(set(old) | set(new))
         if k.split(".")[0] not in RESUME_FREE and old.get(k) != new.get(k)
-    }
+    } | plugin_changes(run_dir)
     if changed and cfg.resume != "override":
         listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
         raise RefusedRerun(
-            f"{run_dir} holds a run with a different config ({listing}). Resuming would mix "
-            "two configs. Rerun with resume=override to apply the new values to the restored "
-            "run (recorded in meta.json), or use a new out= directory."
+            f"{run_dir} holds a run with a different config or plugin code ({listing}). "
+            "Resuming would mix two configs. Rerun with resume=override to apply the new values "
+            "to the restored run (recorded in meta.json), or use a new out= directory."
         )
     return changed
 
 
+def plugin_changes(run_dir: Path) -> dict[str, list]:
+    """The plugins whose code differs from the code the run recorded (meta.json's `plugins`:
+    each loaded plugin's file and sha256): {"plugin <file>": [old sha256, new sha256]}, None
+    for a plugin one side lacks. Part of the resume contract: the rule is code, not config."""
+    old = {r["file"]: r["sha256"] for r in read_json(run_dir / "meta.json").get("plugins", [])}
+    new = {r["file"]: r["sha256"] for r in plugins.loaded()}
+    return {
+        f"plugin {f}": [old.get(f), new.get(f)]
+        for f in sorted(set(old) | set(new))
+        if old.get(f) != new.get(f)
+    }
+
+
 def record_config(run_dir: Path, cfg: DictConfig, first: int, changed: dict[str, list]) -> None:
-    """config.yaml, and under `resume=override` the keys `changed` with the step they govern
-    from (meta.json's `config_overrides`, which analysis.runs reads per step). Called only when
-    step `first` will run: the record says what the run trained under, not what a rerun asked."""
+    """config.yaml and the plugins' files and hashes (meta.json's `plugins`), and under
+    `resume=override` the keys `changed` with the step they govern from (meta.json's
+    `config_overrides`, which analysis.runs reads per step). Called only when step `first` will
+    run: the record says what the run trained under, not what a rerun asked."""
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    update_meta(run_dir, plugins=plugins.loaded())
     if changed:
         past = read_json(run_dir / "meta.json").get("config_overrides", [])
         update_meta(run_dir, config_overrides=[*past, {"from_step": first, "changed": changed}])

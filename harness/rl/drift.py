@@ -43,6 +43,7 @@ from harness.rl.setup import (
     rollout_sampling,
 )
 from harness.rl.step import collect
+from harness.runs import plugins
 from harness.runs.config import schema
 from harness.runs.validate import validate
 from harness.sampling.engines import Engine
@@ -76,6 +77,7 @@ def run_config(run: Path, sets: list[str]) -> DictConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.yaml; valid: a run folder harness.train wrote")
     cfg = OmegaConf.merge(schema(), OmegaConf.load(path))
+    plugins.load_config(cfg)  # the run's own rules, before its objective and noise are built
     for item in sets:
         key, sep, value = item.partition("=")
         if not sep:

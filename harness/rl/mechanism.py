@@ -37,6 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
+from harness import CONFIGS
 from harness.base import distributed
 from harness.base.distributed import ONE, Ranks
 from harness.base.io import write_json_atomic, write_text_atomic
@@ -156,11 +157,10 @@ def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, flo
     return out
 
 
-CONFIGS = str(Path(__file__).resolve().parents[2] / "experiments")
 config.register()
 
 
-@hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")
+@hydra.main(config_path=str(CONFIGS), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
     out = run(cfg)
     # the folder describes itself: the config beside the numbers (analysis.summarize reads both)
@@ -172,4 +172,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from harness.runs import plugins
+
+    plugins.load(plugins.from_argv(sys.argv[1:]))  # before composition: objective=<a plugin's>
     main()

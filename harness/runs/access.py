@@ -5,14 +5,13 @@ before compute are harness.runs.validate's."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness import CONFIGS
 from harness.base import distributed
 
-CONFIGS = Path(__file__).resolve().parents[2] / "experiments"
 GROUP_NODES = ("task", "noise", "objective", "aggregation")  # node {name, **kwargs} = group file
 
 

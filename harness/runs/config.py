@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from harness.runs.plugins import store_groups
 from harness.tasks import TEACHER_PROMPT
 
 
@@ -175,6 +176,9 @@ class TrainConfig:
     # arms, endpoints and tests); read by analysis/claims.py from the runs' config.yaml, and part
     # of the resume contract, so it cannot change under a run
     prereg: dict[str, Any] = field(default_factory=dict)
+    # modules or .py files registering the user's own objectives, noise models, tasks and
+    # aggregations, imported in every process of the run before any check (harness.runs.plugins)
+    plugins: list[str] = field(default_factory=list)
     # the preset's arms: label -> {dotted config key: value} that selects the arm (the legend and
     # the prereg's treatment/control name them); read by analysis.runs.arm_label, outside the
     # resume contract (harness.rl.checkpoint.RESUME_FREE)
@@ -288,10 +292,12 @@ RESOLVERS = {
 
 def register() -> None:
     """What Hydra needs before it composes a job's config: the resolvers the job configs read
-    (experiments/train.yaml, measure.yaml) and the structured schema train.yaml's defaults list
-    names (`train_schema`). The entry points call it (harness.train, harness.rl.mechanism,
-    harness.measure, analysis.runs); a spawned worker imports its entry point and so calls it
-    before it resolves its job's config."""
+    (experiments/train.yaml, measure.yaml), the structured schema train.yaml's defaults list
+    names (`train_schema`) and every registry name as an option of its group
+    (harness.runs.plugins.store_groups; loading a plugin stores its names too). The entry points
+    call it (harness.train, harness.rl.mechanism, harness.measure, analysis.runs); a spawned
+    worker imports its entry point and so calls it before it resolves its job's config."""
     for name, fn in RESOLVERS.items():
         OmegaConf.register_new_resolver(name, fn, replace=True)
     ConfigStore.instance().store(name="train_schema", node=schema())
+    store_groups()

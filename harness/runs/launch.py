@@ -45,6 +45,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, read_write
 
 from harness.base.io import RefusedRerun, write_json_atomic, write_text_atomic
+from harness.runs import plugins
 from harness.runs.presubmit import sweep_points
 from harness.runs.validate import check_nodes
 
@@ -200,6 +201,7 @@ def run_task(
         cfg.out = str(run)
     from harness.base.distributed import environment
 
+    plugins.load_config(cfg)  # a worker, Slurm job or rank imports what the command line named
     if environment().rank != 0:  # rank 0 keeps the run's record
         adopt_hydra_record(run, keep=False)
         check(cfg)

@@ -96,11 +96,11 @@ def check_nodes(cfg: DictConfig) -> None:
 
 def check_group_names(cfg: DictConfig) -> None:
     """Each swept axis's name is the one its chosen group file sets. Hydra merges `noise.name=X`
-    into the node of the file chosen (noise=none), so the run would get that file's keys, not
-    X's file's (logit.yaml's `seed: ${seed}`: without it every run draws the noise field of the
-    builder's seed 0, whatever its own seed). The group choice is read from the running Hydra
-    job; a config composed outside one (a test's `compose`, a library call) records no choice
-    and is not checked."""
+    into the node of the option chosen (noise=none), so the run would get that option's keys,
+    not X's (noise=logit's `seed: ${seed}`, harness.runs.plugins.group_node: without it every
+    run draws the noise field of the builder's seed 0, whatever its own seed). The group choice
+    is read from the running Hydra job; a config composed outside one (a test's `compose`, a
+    library call) records no choice and is not checked."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():

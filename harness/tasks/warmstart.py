@@ -38,6 +38,7 @@ from torch.nn import functional as F
 from tqdm.auto import trange
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from harness import CONFIGS
 from harness.base.io import make_temp_dir, write_json_atomic
 from harness.base.models import cache_dir, char_tokenizer, weights_sha
 from harness.base.registry import build
@@ -440,6 +441,4 @@ def main_cli(cfg) -> dict:
 if __name__ == "__main__":
     import hydra
 
-    hydra.main(config_path="../../experiments", config_name="warmstart", version_base="1.3")(
-        main_cli
-    )()
+    hydra.main(config_path=str(CONFIGS), config_name="warmstart", version_base="1.3")(main_cli)()
