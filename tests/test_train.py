@@ -13,6 +13,7 @@ from harness.objectives.opsd import copy_exit_mass
 from harness.rl import setup
 from harness.runs import validate
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 TINY = [
@@ -265,7 +266,7 @@ def test_training_pass_doubles_as_logp_old_recompute(tiny_llama):
 
     model, tok = tiny_llama
     eng = Engine(model, tok)
-    ro = eng.generate(["12+3=", "ab"], n=3, max_new_tokens=7, top_p=0.9, seed=1)
+    ro = eng.generate(["12+3=", "ab"], Sampling(n=3, max_new_tokens=7, top_p=0.9), seed=1)
     rows = torch.tensor([4, 0, 2])
     out = eng.logp(ro, rows, grad=True, mask_replay=True)
     ref = eng.logp(ro, mask_replay=True)
@@ -401,13 +402,13 @@ def test_routing_replay_leaves_evaluation_to_the_trainers_own_routes(tmp_path):
     from harness.rl.setup import build_setup
 
     s = build_setup(_cfg(tmp_path, "model=tiny-moe", "noise=routing", "engine.routing_replay=true"))
-    ro = s.sampler.generate(["1+1=", "2+3="], n=4, max_new_tokens=5, seed=0)
+    ro = s.sampler.generate(["1+1=", "2+3="], Sampling(n=4, max_new_tokens=5), seed=0)
     s.policy.logp(ro, torch.tensor([0, 1, 2]))  # the rows of one minibatch
     replay = s.policy._noise_of(type(build_noise("replay")))
     assert replay is not None and replay.indices is None
-    again = s.policy.generate(["1+1=", "2+3=", "4+4="], n=1, max_new_tokens=5, seed=1)
+    again = s.policy.generate(["1+1=", "2+3=", "4+4="], Sampling(n=1, max_new_tokens=5), seed=1)
     plain = Engine(s.policy.model, s.tok).generate(
-        ["1+1=", "2+3=", "4+4="], n=1, max_new_tokens=5, seed=1
+        ["1+1=", "2+3=", "4+4="], Sampling(n=1, max_new_tokens=5), seed=1
     )  # same model object: R3's hooks pass through when no routes are set
     assert torch.equal(again.response_ids, plain.response_ids)
     assert torch.equal(again.logp_mu, plain.logp_mu)
@@ -421,7 +422,7 @@ def test_own_routes_are_the_routers_top_k():
 
     model, tok = load_model("tiny-moe")
     eng = Engine(model, tok)
-    ro = eng.generate(["1+1=", "22+3="], n=2, max_new_tokens=5, seed=0)
+    ro = eng.generate(["1+1=", "22+3="], Sampling(n=2, max_new_tokens=5), seed=0)
     routes = eng.own_routes(ro)
     B, S = ro.tokens.shape
     with torch.no_grad():
@@ -705,7 +706,7 @@ def test_sampler_refuses_a_nonfinite_distribution(tiny_llama):
     with torch.no_grad():
         model.lm_head.weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="non-finite next-token distribution"):
-        Engine(model, tok).generate(["1+1="], n=2, max_new_tokens=3)
+        Engine(model, tok).generate(["1+1="], Sampling(n=2, max_new_tokens=3))
 
 
 def test_rerun_with_a_different_config_fails_before_compute_and_lists_the_keys(tmp_path):

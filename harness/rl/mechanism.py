@@ -133,6 +133,7 @@ def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, flo
     student without; T = the rollout's) and the mean per-token log-prob each gives the reference
     solution + EOS, teacher-forced."""
     from harness.sampling.engines import Engine
+    from harness.sampling.rollout import Sampling
     from harness.tasks import teacher_prompt
     from harness.tasks.warmstart import sft_batch, sft_loss
 
@@ -146,9 +147,7 @@ def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, flo
     ]:
         ro = Engine(model, s.tok).generate(
             [p.prompt for p in probs],
-            n=1,
-            max_new_tokens=budget,
-            temperature=cfg.rollout.temperature,
+            Sampling(n=1, max_new_tokens=budget, temperature=cfg.rollout.temperature),
             seed=cfg.eval_seed,
         )
         out[f"{who}_acc"] = float(s.task.rollout_rewards(problems, ro, s.tok).mean())

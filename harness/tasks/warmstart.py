@@ -42,6 +42,7 @@ from harness.base.io import make_temp_dir, write_json_atomic
 from harness.base.models import cache_dir, char_tokenizer, weights_sha
 from harness.base.registry import build
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 from harness.tasks import TASKS, Problem, Task, teacher_prompt
 
 SHIPPED = Path(__file__).parent / "task_models"  # the canonical task models
@@ -361,7 +362,11 @@ def evaluate_policy(
     for i in range(0, n, batch):
         chunk = problems[i : i + batch]
         prompts = [teacher_prompt(p) if privileged else p.prompt for p in chunk]
-        ro = engine.generate(prompts, 1, task.max_new_tokens, temperature, seed=seed + i)
+        ro = engine.generate(
+            prompts,
+            Sampling(n=1, max_new_tokens=task.max_new_tokens, temperature=temperature),
+            seed=seed + i,
+        )
         stats = engine.score(ro.tokens, ro.attention_mask, ro.n_prompt)
         mask = ro.response_mask.bool()
         forks.append(stats["p_t"][mask] < 0.5)
