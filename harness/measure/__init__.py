@@ -57,12 +57,13 @@ from harness.noise import NOISE, layer_amplification
 from harness.objectives import build_objective
 from harness.rl.alpha import minibatch_schedule, perturb_weights_
 from harness.rl.setup import build_policy, build_sampler, r2, step_seed
-from harness.rl.step import Sampling, adamw, collect, update
+from harness.rl.step import Learner, StepOptions, adamw, collect, update
 from harness.runs.config import EngineCfg, ModelCfg, OptimCfg, RolloutCfg, open_schema
 from harness.runs.launch import run_task
 from harness.runs.validate import ATTENTIONS, check_nodes, noise_nodes, split_node
-from harness.sampling.engines import Engine, Rollout
+from harness.sampling.engines import Engine
 from harness.sampling.logprobs import check_sampling
+from harness.sampling.rollout import Rollout, Sampling
 from harness.sampling.samplers import check_sampler
 from harness.stats.diagnostics import CONF_EDGES, bin_index, gate, identity_check
 from harness.stats.snr import (
@@ -290,19 +291,16 @@ def model_spec(cfg: DictConfig) -> str:
 
 def sampling(cfg: DictConfig) -> Sampling:
     return Sampling(
-        cfg.rollout.group_size,
-        cfg.rollout.max_new_tokens,
-        cfg.rollout.temperature,
-        cfg.rollout.top_p,
-        cfg.rollout.top_k,
+        n=cfg.rollout.group_size,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
     )
 
 
 def sample(engine: Engine, prompts, cfg: DictConfig, seed: int) -> Rollout:
-    sp = sampling(cfg)
-    return engine.generate(
-        prompts, sp.n, sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, seed, cfg.progress
-    )
+    return engine.generate(prompts, sampling(cfg), seed=seed, progress=cfg.progress)
 
 
 def token_log(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -377,16 +375,9 @@ def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -
         live.model, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, fused=False
     )
     live.model.requires_grad_(True)
-    _, metrics, skipped = update(
-        live,
-        build_objective(name, **kw),
-        batch,
-        ro,
-        schedule,
-        opt,
-        o.grad_clip,
-        mask_replay=cfg.engine.mask_replay,
-    )
+    options = StepOptions(mask_replay=cfg.engine.mask_replay, grad_clip=o.grad_clip)
+    learner = Learner(policy=live, opt=opt)
+    _, metrics, skipped = update(learner, build_objective(name, **kw), batch, ro, schedule, options)
     live.model.requires_grad_(False)
     return {
         "loss": [m["loss"] for m in metrics],
@@ -642,10 +633,8 @@ def run(cfg: DictConfig) -> dict:
             prompts,
             partial(rewards, tok),
             sampling(cfg),
+            StepOptions(mask_replay=replay, own_routes=r2(cfg), progress=cfg.progress),
             seed=step_seed(cfg.seed, i),
-            mask_replay=replay,
-            own_routes=r2(cfg),
-            progress=cfg.progress,
         )
         sc = {"p_t": batch.p_t, "p_sq_sum": batch.p_sq_sum}
         ident["cal"].append(

@@ -41,7 +41,7 @@ from harness.base import distributed
 from harness.base.distributed import ONE, Ranks
 from harness.base.io import write_json_atomic, write_text_atomic
 from harness.objectives.core import Window
-from harness.rl.setup import build_setup, r2, rollout_sampling, step_seed
+from harness.rl.setup import build_setup, rollout_sampling, step_seed
 from harness.rl.step import collect, gather_batch, share_rows
 from harness.runs import config as _config  # noqa: F401  (registers train_schema)
 from harness.runs.validate import validate
@@ -102,10 +102,8 @@ def run(cfg: DictConfig, validated: bool = False, ranks: Ranks = ONE) -> dict[st
             [p.prompt for p in problems[own]],
             reward,
             sampling,
+            s.options,
             seed=seed,
-            advantage=cfg.advantage,
-            mask_replay=cfg.engine.mask_replay,
-            own_routes=r2(cfg),
             batch_rows=batch_rows,
         )
         if ranks.world > 1:

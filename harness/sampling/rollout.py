@@ -85,7 +85,8 @@ def pack_rollout(
     """The `Rollout` of an engine that samples row by row (CTranslate2, vLLM) under `sampling`:
     `ids`/`attn` the [B, P] prompts of the B = n_prompts × n rows, per row its sampled ids
     `toks` [L_b] and their log μ `mus` [L_b], and with a truncated law its kept support `sups`
-    [L_b, K_b] (−1 padded; None: nothing truncated). Right-padded into [B, T] and [B, T, K], handed over on `device`."""
+    [L_b, K_b] (−1 padded; None: nothing truncated). Right-padded into [B, T] and [B, T, K],
+    handed over on `device`."""
     B, T = len(toks), max(len(t) for t in toks)
     response = torch.full((B, T), pad_id, dtype=torch.long)
     mask = torch.zeros(B, T)
