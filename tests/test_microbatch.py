@@ -272,7 +272,7 @@ def test_a_per_micro_batch_denominator_is_far_outside_the_tolerance(tmp_path, ag
     prompts = [p.prompt for p in ArithmeticTask(digits=1).sample(2, "train", 0)]
     reward = lambda ro: (torch.arange(ro.response_ids.shape[0]) % 2).float()  # noqa: E731
     sampling = setup.rollout_sampling(cfg, s.task)
-    batch, ro, _ = collect(s.sampler, s.policy, prompts, reward, sampling, seed=0)
+    batch, ro, _ = collect(s.sampler, s.policy, prompts, reward, sampling, s.options, seed=0)
     rows = torch.arange(len(batch.mask))
     parts = micro_batches(ro.attention_mask.sum(1), BUDGET)
     assert len(parts) >= 3 and len(set(batch.mask.sum(1).tolist())) > 1  # uneven lengths

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import shutil
@@ -226,6 +227,35 @@ def test_distillation_trains_each_minibatch_at_its_lag(tmp_path):
     )
     train.run(cfg)
     assert _metrics(tmp_path)[-1]["alpha/lag"] == pytest.approx(1.5)
+
+
+def test_step_options_are_the_configs_settings(tmp_path):
+    """The step's settings travel as one object built from the config: each field is its key's
+    value, and StepOptions' own defaults are the config's."""
+    from harness.rl.step import StepOptions
+
+    cfg = _cfg(
+        tmp_path,
+        "advantage=drgrpo",
+        "engine.logp_old_source=sampler",
+        "engine.mask_replay=false",
+        "engine.routing_replay=true",
+        "engine.routing_replay_source=trainer",
+        "optim.grad_clip=0.25",
+    )
+    want = StepOptions(
+        advantage="drgrpo",
+        logp_old_source="sampler",
+        mask_replay=False,
+        own_routes=True,  # R2: routing replay from the trainer's own routes
+        grad_clip=0.25,
+        progress=False,  # the loop's bar is its own, whatever `progress` says
+    )
+    assert setup.step_options(cfg) == want
+    assert setup.step_options(_cfg(tmp_path, "engine.routing_replay=true")).own_routes is False
+    assert setup.step_options(_cfg(tmp_path)) == StepOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        want.grad_clip = 1.0
 
 
 def test_bad_config_fails_before_compute(tmp_path):
@@ -459,10 +489,12 @@ def test_r2_replays_the_trainers_own_routes_at_pi_old_not_mus(tmp_path):
         sampling=setup.rollout_sampling(cfg, s.task),
         seed=0,
     )
-    _, ro_mu, _ = collect(*args, **kw)  # R3's routes: μ's, under routing noise
+    assert s.options.own_routes  # R2, from the config
+    r3 = dataclasses.replace(s.options, own_routes=False)
+    _, ro_mu, _ = collect(*args, **kw, options=r3)  # R3's routes: μ's, under routing noise
     s.sampler.own_routes(ro_mu)  # leaves μ's record of sampled routes as it was (empty)
-    assert torch.equal(collect(*args, **kw)[1].routing, ro_mu.routing)
-    batch, ro, _ = collect(*args, **kw, own_routes=True)
+    assert torch.equal(collect(*args, **kw, options=r3)[1].routing, ro_mu.routing)
+    batch, ro, _ = collect(*args, **kw, options=s.options)
     own = s.policy.own_routes(ro)
     assert torch.equal(ro.routing[:, : own.shape[1]], own)
     assert not torch.equal(ro_mu.routing, own[:, : ro_mu.routing.shape[1]])  # μ's differ

@@ -349,15 +349,14 @@ def evaluate_policy(
     n: int = 256,
     temperature: float = 1.0,
     seed: int = 0,
-    split: str = "eval",
     batch: int = 128,
     privileged: bool = False,
 ) -> dict[str, float]:
-    """Sampled accuracy on `n` problems, plus the fork fraction (response tokens with p_t < 0.5
-    under the T = 1 policy) and the mean per-token entropy. `privileged`: the prompts carry the
-    reference solution (OPSD's teacher format, tasks.TEACHER_PROMPT)."""
+    """Sampled accuracy on `n` held-out problems, plus the fork fraction (response tokens with
+    p_t < 0.5 under the T = 1 policy) and the mean per-token entropy. `privileged`: the prompts
+    carry the reference solution (OPSD's teacher format, tasks.TEACHER_PROMPT)."""
     engine = Engine(model.eval(), tok)
-    problems = task.sample(n, split, seed)
+    problems = task.sample(n, "eval", seed)
     rewards, forks, ents, lens = [], [], [], []
     for i in range(0, n, batch):
         chunk = problems[i : i + batch]
