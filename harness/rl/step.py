@@ -101,8 +101,8 @@ def collect(
             raise ValueError("own_routes (R2) needs the engine at π_old's weights: old_policy")
         ro = dataclasses.replace(ro, routing=old_policy.own_routes(ro))
     if old_policy is not None:
-        logp_old = old_policy.logp(ro, mask_replay=options.mask_replay)
-        batch = batch.with_old(logp_old, options.logp_old_source)
+        scores = old_policy.logp(ro, mask_replay=options.mask_replay)  # π_old's
+        batch = batch.with_old(scores, options.logp_old_source)
     return batch, ro, rewards
 
 
