@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.common import set_theme
-from analysis.panels import panel_row
-from analysis.runs import load_summary, results_root, smooth, without_aa
+from analysis.panels import trajectories
+from analysis.runs import results_root
 
 EXP = "collapse_reject_vs_clamp"
 PANELS = [  # column, title, y label
@@ -24,10 +23,7 @@ PANELS = [  # column, title, y label
 def draw(root: Path, exp: str, title: str) -> None:
     """The collapse figure of `exp` (this experiment, collapse_drivers or collapse_confirm: the
     same panels, each over the arms its own preset declares)."""
-    df = without_aa(load_summary(root, exp), root, exp)
-    runs = smooth(df[df.complete], [c for c, *_ in PANELS[1:]])
-    set_theme()
-    panel_row(runs, PANELS, "optimizer step", title, root, exp)
+    trajectories(root, exp, PANELS, title)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 
 from analysis.claims import endpoint_marks
-from analysis.common import savefig
+from analysis.common import savefig, set_theme
 from analysis.events import run_events
-from analysis.runs import figure_arms, load_summary, mechanism_caption
+from analysis.runs import figure_arms, load_summary, mechanism_caption, smooth, without_aa
 
 # two-sided 95% Student-t quantiles by degrees of freedom (1.96 beyond 9)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -127,3 +127,13 @@ def panel_row(
         bottom = 0.03 + 0.035 * (caption.count("\n") + 1)
         fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
     savefig(fig, Path(root) / exp / f"fig_{exp}", bottom)
+
+
+def trajectories(root: Path, exp: str, panels: list[tuple], title: str) -> None:
+    """`panel_row` of the complete runs of `exp` over optimizer steps, the A/A cell left out
+    (`without_aa`), every panel but held-out accuracy as a 5-step trailing mean (a step's
+    metrics average 64 samples; an evaluation is one held-out set)."""
+    df = without_aa(load_summary(root, exp), root, exp)
+    runs = smooth(df[df.complete], [c for c, *_ in panels if c != "eval_acc"])
+    set_theme()
+    panel_row(runs, panels, "optimizer step", title, root, exp)

@@ -83,9 +83,18 @@ METRICS = [
 
 def results_root(argv: list[str] | None = None) -> Path:
     """`--results DIR`, else $RATIOLAB_RESULTS, else ./results."""
+    return names_and_root(argv, nargs=0)[1]
+
+
+def names_and_root(argv: list[str] | None, nargs: int | str = "*") -> tuple[list[str], Path]:
+    """The command line of an analysis entry point: its positional names (experiments) and
+    `--results DIR` (else $RATIOLAB_RESULTS, else ./results)."""
     p = argparse.ArgumentParser()
+    if nargs:
+        p.add_argument("names", nargs=nargs)
     p.add_argument("--results", default=os.environ.get("RATIOLAB_RESULTS", "results"))
-    return Path(p.parse_args(argv).results)
+    a = p.parse_intermixed_args(argv)
+    return getattr(a, "names", []), Path(a.results)
 
 
 _UNSET = object()  # a key neither the config nor a builder's signature gives a value
@@ -140,11 +149,12 @@ def preset_config(exp: str) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from harness.runs import config as _schema  # noqa: F401  (registers train_schema)
+    from harness.runs import config
 
     root = Path(__file__).resolve().parents[1] / "experiments"
     if not (root / "experiment" / f"{exp}.yaml").exists():
         return {}
+    config.register()
     try:
         with initialize_config_dir(config_dir=str(root), version_base="1.3"):
             cfg = compose("train", overrides=[f"experiment={exp}"])
@@ -432,9 +442,10 @@ RUN_MECHANISM = {
 }
 
 
-def share(x: float) -> str:
-    """A share as a percentage; "—" when undefined (nothing out of band: no fork share)."""
-    return "—" if pd.isna(x) else f"{x:.0%}"
+def share(x: float, spec: str = ".0%") -> str:
+    """A share as a percentage; "—" when undefined (nothing out of band: no fork share; no
+    token with A < 0 when no response earned a reward)."""
+    return "—" if pd.isna(x) else format(x, spec)
 
 
 def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> str:
@@ -448,7 +459,8 @@ def mechanism_summary(mech: pd.DataFrame | None, df: pd.DataFrame, arm: str) -> 
             parts.append(
                 f"step 0: {mean.oob_frac:.1%} out of band, {share(mean.fork_oob_share)} of it on "
                 f"forks, {mean.forks_deleted:.0%} of forks outside; A<0 below 1−ε "
-                f"{mean.neg_low_clip:.1%} vs A>0 above 1+ε {mean.pos_high_clip:.1%}; "
+                f"{share(mean.neg_low_clip, '.1%')} vs A>0 above 1+ε "
+                f"{share(mean.pos_high_clip, '.1%')}; "
                 f"μ reward {mean.sampler_reward:.3f}"
             )
             if "teacher_acc" in mean and pd.notna(mean.teacher_acc):  # OPSD runs

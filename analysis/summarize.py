@@ -1,7 +1,8 @@
 """Reduce raw training run folders to the committed `results/<experiment>/summary.csv`.
 
-    python -m analysis.summarize collapse_reject_vs_clamp fp8_entropy_surge ...  [--results DIR]
-                                 [force=true | keep=true]
+    python -m analysis.summarize [EXPERIMENT ...] [--results DIR] [force=true | keep=true]
+
+summarises the experiments named, else every experiment folder under DIR holding run folders.
 
 
 Per-step rows (run × step, selected metrics, arm/seed/config columns); runs that did not reach
@@ -25,18 +26,20 @@ or when a new run repeats a kept run's arm and seed under another folder name.
 
 from __future__ import annotations
 
-import argparse
-import os
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
-from analysis.claims import EXPERIMENTS as CLAIMED
-from analysis.runs import config_problems, doubled, load_mechanism, load_prereg, load_raw
+from analysis.runs import (
+    config_problems,
+    doubled,
+    load_mechanism,
+    load_prereg,
+    load_raw,
+    names_and_root,
+)
 from harness.base.io import write_text_atomic
-
-EXPERIMENTS = [*CLAIMED, "alpha_calibration"]  # every experiment with training runs
 
 
 def refusals(root: Path, exp: str, df: pd.DataFrame) -> list[str]:
@@ -125,16 +128,13 @@ def copy_meta(exp_dir: Path, runs) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("experiments", nargs="*", default=EXPERIMENTS)
-    p.add_argument("--results", default=os.environ.get("RATIOLAB_RESULTS", "results"))
-    a = p.parse_intermixed_args(argv)
-    switches = {e for e in a.experiments if "=" in e}
+    names, root = names_and_root(argv)
+    switches = {e for e in names if "=" in e}
     if bad := sorted(switches - {"force=true", "keep=true"}):
         raise SystemExit(f"[summarize] unknown switch {bad}: valid are force=true and keep=true")
     force, keep = "force=true" in switches, "keep=true" in switches
-    exps = [e for e in a.experiments if e not in switches] or EXPERIMENTS
-    root = Path(a.results)
+    exps = [e for e in names if e not in switches]
+    exps = exps or sorted({p.parent.parent.name for p in root.glob("*/*/metrics.jsonl")})
     for exp in exps:
         df = load_raw(root, exp)
         if df.empty:

@@ -49,11 +49,11 @@ from harness.rl import checkpoint, mechanism
 from harness.rl.alpha import minibatch_schedule
 from harness.rl.setup import Setup, build_setup, rollout_sampling, step_seed, token_budget
 from harness.rl.step import collect, evaluate, gather_batch, share_rows, update, update_distill
-from harness.runs import config as _schema  # noqa: F401  (registers the structured-config schema)
-from harness.runs import fingerprint
+from harness.runs import config, fingerprint
+from harness.runs.access import fsdp
 from harness.runs.launch import run_task, update_meta
 from harness.runs.tracking import SIGNAL_STEPS, Tracker, no_signal, plain_line
-from harness.runs.validate import fsdp, validate, validate_ranks
+from harness.runs.validate import validate, validate_ranks
 from harness.stats.diagnostics import check_collapse, rollout_dials
 from harness.stats.repetition import repetition_reports
 from harness.tasks import Task
@@ -132,7 +132,7 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
     schedule = minibatch_schedule(len(rewards), cfg.alpha.minibatches, cfg.alpha.staleness, step)
     learner = s.learner(restore=partial(checkpoint.roll_back, s))
     reps = repetition_reports(ro.response_ids, ro.response_mask)
-    if s.teacher is not None:
+    if s.objective.needs_teacher:
         teacher, exit_metrics = teacher_inputs(
             s.policy, s.teacher, problems, cfg.distill.teacher_prompt, cfg.rollout.group_size, reps
         )
@@ -278,6 +278,7 @@ def run(cfg: DictConfig, validated: bool = False) -> dict[str, Any]:
 
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "experiments")
+config.register()
 
 
 @hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")

@@ -34,6 +34,15 @@ def tiny_moe():
     return load_model("tiny-moe", seed=0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _hydra_registrations():
+    """What the entry points register before Hydra composes (the job configs' resolvers, the
+    train and measure schemas), for the tests that compose a job's config themselves."""
+    from harness import measure
+
+    measure.register()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -610,3 +610,109 @@ def test_a_caveat_is_printed_beside_the_verdict_and_moves_no_family(tmp_path):
     )
     cols = ["p", "p_holm", "q_bh", "kind", "survives"]
     pd.testing.assert_frame_equal(noted[cols], plain[cols])
+
+
+def test_the_table_lists_every_registered_experiment_its_rows_where_they_were(tmp_path):
+    """Without names, the experiments under the folder whose runs carry a prereg: those the
+    claims.csv there shows, in its order, then the new ones by name; a folder without one is
+    not an experiment of the table."""
+    from analysis.claims import registered
+
+    for exp in ("a", "b", "c", "pilot"):
+        (tmp_path / exp).mkdir()
+    for exp in ("a", "b", "c"):
+        (tmp_path / exp / "prereg.yaml").write_text(yaml.safe_dump(PREREG))
+    assert registered(tmp_path) == ["a", "b", "c"]
+    pd.DataFrame({"experiment": ["c", "c", "gone", "a"]}).to_csv(tmp_path / "claims.csv")
+    assert registered(tmp_path) == ["c", "a", "b"]
+
+
+USER_PRESET = """# @package _global_
+name: own_hypothesis
+steps: 4
+eval_every: 2
+arms:
+  long: {rollout.max_new_tokens: 6}
+  short: {rollout.max_new_tokens: 4}
+prereg:
+  claim: longer responses are longer
+  source: a user's own hypothesis
+  seeds: 2
+  treatment: long
+  control: short
+  endpoints:
+    - {name: length, metric: response_len, reduce: window_mean, window: [1, 4],
+       test: paired_t, predicted: greater}
+    - {name: any reward, metric: reward_mean, reduce: final_any, test: sign,
+       predicted: greater}
+hydra:
+  sweeper:
+    params:
+      seed: 0,1
+      rollout.max_new_tokens: 6,4
+"""
+
+
+def tree_hash(root) -> str:
+    """One hash of every file's path and bytes under `root`."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.slow
+def test_a_users_own_preset_gets_its_claims_and_figure_in_its_own_folder(tmp_path):
+    """A preset outside the package (--config-dir), a 2-seed sweep of the tiny model into the
+    user's folder, then summarize, claims and figure on that folder: the table and the figure
+    are written there, results/ is untouched. Worked by hand: the tiny model never ends a
+    response before its cap, so every `long` run's mean length over steps 1-4 is 6 and every
+    `short` run's 4; each pair differs by +2 with no spread: t = +inf, p = 0, reproduced in
+    sign. Its reward is 0 at every step: no run of either arm has the event (0/2 vs 0/2), the
+    sign test has no discordant pair (p = 1): not reproduced."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from analysis import claims, figure, summarize
+
+    root = Path(__file__).resolve().parents[1]
+    presets = tmp_path / "presets" / "experiment"
+    presets.mkdir(parents=True)
+    (presets / "own_hypothesis.yaml").write_text(USER_PRESET)
+    mine = tmp_path / "mine"
+    before = tree_hash(root / "results")
+    tiny = ["model=tiny-llama", "++task.digits=1", "rollout.prompts_per_step=2"]
+    tiny += ["rollout.group_size=4", "eval_n=4", "progress=false"]
+    cmd = [sys.executable, "-m", "harness.train", "-m", f"--config-dir={presets.parent}"]
+    cmd += ["experiment=own_hypothesis", f"hydra.sweep.dir={mine}/own_hypothesis", *tiny]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    lengths = {}  # the premise, from the raw runs: every response ran to its cap
+    for m in sorted((mine / "own_hypothesis").glob("*/metrics.jsonl")):
+        steps = [json.loads(line) for line in m.read_text().splitlines()]
+        cap = 6 if "max_new_tokens=6" in m.parent.name else 4
+        lengths[m.parent.name] = (cap, np.mean([s["response/len"] for s in steps]))
+        assert max(s["reward/mean"] for s in steps) == 0.0
+    assert len(lengths) == 4 and all(cap == mean for cap, mean in lengths.values())
+
+    summarize.main(["own_hypothesis", "--results", str(mine)])
+    with pytest.warns(UserWarning, match="cannot reach p < 0.05"):  # the sign test at 2 seeds
+        claims.main(["--results", str(mine)])
+    with pytest.warns(UserWarning, match="cannot reach p < 0.05"):
+        figure.main(["--results", str(mine)])
+    table = pd.read_csv(mine / "claims.csv").set_index("endpoint")
+    length, reward = table.loc["length"], table.loc["any reward"]
+    assert (length.treatment_mean, length.control_mean, length["diff"]) == (6.0, 4.0, 2.0)
+    assert (length.p, length.verdict, length.kind) == (0.0, "reproduced", "in sign")
+    assert reward.stat.startswith("0/2 vs 0/2 runs") and reward.p == 1.0
+    assert reward.verdict == "not reproduced: no event in either arm"
+    assert "| own_hypothesis | longer responses are longer" in (mine / "claims.md").read_text()
+    assert (mine / "own_hypothesis" / "fig_own_hypothesis.png").stat().st_size > 10_000
+    assert tree_hash(root / "results") == before

@@ -127,6 +127,9 @@ def test_the_caption_quotes_each_arms_mechanism_check(tmp_path):
         "A<0 below 1−ε 15.0% vs A>0 above 1+ε 5.6%; μ reward 0.200; "
         "in run: 20.0% deleted"
     )
+    no_signal = {**shown, "neg_low_clip": np.nan, "pos_high_clip": np.nan}  # no A < 0 token
+    pd.DataFrame([no_signal]).to_csv(tmp_path / "x" / "mechanism.csv", index=False)
+    assert "A<0 below 1−ε — vs A>0 above 1+ε —;" in mechanism_caption(tmp_path, "x", df, ["A"])
     mech = pd.read_csv(tmp_path / "x" / "mechanism.csv").assign(
         teacher_acc=0.9, student_acc=0.3, teacher_ref_logp=-0.01, student_ref_logp=-0.1
     )
@@ -142,6 +145,30 @@ def test_figure_script_runs_on_fixture(exp, results):
     pngs = list((results / exp).glob("fig_*.png"))
     assert len(pngs) == 1 and pngs[0].stat().st_size > 10_000
     assert pngs[0].with_suffix(".pdf").exists()
+
+
+def test_the_generic_figure_draws_any_registered_experiment_into_its_folder(tmp_path):
+    """analysis.figure, run bare on a folder, draws each experiment there whose runs carry a
+    prereg (here one no packaged preset names): accuracy, reward, entropy, then a panel for
+    each other registered metric; a folder without prereg.yaml gets no figure."""
+    from analysis import figure
+
+    fake_summary(tmp_path, "mine", [("tis", "T", 0.5, 0), ("cis", "C", 0.5, 0)])
+    fake_summary(tmp_path, "unregistered", [("tis", "T", 0.5, 0), ("cis", "C", 0.5, 0)])
+    ess = {"name": "ess", "metric": "is_ess", "reduce": "window_mean", "window": [1, 12]}
+    prereg = {"claim": "c", "source": "s", "seeds": 3, "treatment": "T", "control": "C"}
+    prereg["endpoints"] = [{**ess, "predicted": "greater"}]
+    (tmp_path / "mine" / "prereg.yaml").write_text(yaml.safe_dump(prereg))
+    assert [c for c, *_ in figure.panels(prereg)] == [
+        "eval_acc",
+        "reward_mean",
+        "entropy_mean",
+        "is_ess",
+    ]
+    with pytest.warns(UserWarning, match="checksum"):  # the fixture names no weights
+        figure.main(["--results", str(tmp_path)])
+    assert (tmp_path / "mine" / "fig_mine.png").stat().st_size > 10_000
+    assert not list((tmp_path / "unregistered").glob("fig_*"))
 
 
 def test_a_run_of_an_arm_its_preset_does_not_declare_fails_the_figure(tmp_path):

@@ -128,8 +128,9 @@ def test_train_preset_composes_and_passes_start_up_checks(name, tmp_path):
 
 @pytest.mark.parametrize("name", MEASURE)
 def test_measure_preset_composes_and_passes_start_up_checks(name, tmp_path):
-    from harness.measure import validate
-    from harness.runs.validate import check_nodes, noise_nodes
+    from harness.measure import check_measure
+    from harness.runs.access import noise_nodes
+    from harness.runs.validate import validate
 
     cfg, _, _ = load("measure", [preset(name)], tmp_path)
     assert cfg.name == name and cfg.engine.device == "cuda" and not cfg.engine.tf32
@@ -138,8 +139,7 @@ def test_measure_preset_composes_and_passes_start_up_checks(name, tmp_path):
     assert 512 <= cfg.rollout.max_new_tokens <= 1024
     for point in points(name, "measure", tmp_path):
         cfg, _, _ = load("measure", [preset(name), "engine.device=cpu", *point], tmp_path)
-        check_nodes(cfg)
-        validate(cfg)  # every check that needs no model: dtypes, sampler, device
+        validate(cfg, job=check_measure)  # every check that needs no model: nodes, dtypes, device
         nodes = noise_nodes(cfg)
         assert [n["kernel"] for n in nodes if n["name"] == "fp8"] == ["scaled_mm"]
         for n in nodes:

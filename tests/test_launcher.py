@@ -1,6 +1,7 @@
 """The local launcher (hydra/launcher=local, the default for -m sweeps): one run per core."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ def test_a_sweep_runs_each_job_in_a_one_thread_worker(tmp_path):
     r = _sweep(tmp_path, "seed=0,1,2", "hydra.launcher.n_jobs=2")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "3 jobs, 2 at a time × 1 thread(s)" in r.stderr + r.stdout
+    assert "[presubmit] 3 sweep points checked" in r.stdout
     metas = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/meta.json"))]
     assert len(metas) == 3
     for m in metas:
@@ -115,6 +117,20 @@ def test_bad_launcher_settings_fail_before_any_run(tmp_path):
     assert r.returncode != 0
     assert "hydra.launcher.n_jobs=0: must be >= 1" in r.stderr
     assert not list(tmp_path.glob("*/meta.json"))
+
+
+def test_a_bad_sweep_point_fails_the_sweep_before_any_run(tmp_path):
+    """Every point is checked before any runs (harness.runs.presubmit.check_points, as before
+    sbatch): one worker would run point 1 first, but point 2's group_size=1 fails the sweep
+    first, naming it, and point 1 leaves no run folder."""
+    r = _sweep(tmp_path, "rollout.group_size=4,1", "hydra.launcher.n_jobs=1")
+    assert r.returncode != 0
+    assert re.search(
+        r"sweep point 2 of 2 \(.*rollout.group_size=1.*\): ValueError: rollout.group_size=1; "
+        r"valid.*Nothing was launched",
+        r.stderr,
+    ), r.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["multirun.yaml"]  # Hydra's, before launch
 
 
 @pytest.mark.slow

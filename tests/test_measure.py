@@ -13,8 +13,9 @@ from hydra.errors import ConfigCompositionException
 
 from harness import measure
 from harness.objectives import build_objective
+from harness.rl.setup import rollout_sampling
+from harness.runs.access import noise_nodes
 from harness.runs.config import EngineCfg
-from harness.runs.validate import noise_nodes
 from harness.stats.snr import TABLE6_COLUMNS
 
 CONFIG_DIR = str((measure.__file__.rsplit("/harness/", 1)[0]) + "/experiments")
@@ -70,7 +71,7 @@ def test_the_nodes_shared_with_training_are_training_s(tmp_path):
     assert set(cfg.rollout) == {f.name for f in fields(RolloutCfg)}
     assert set(cfg.optim) == {f.name for f in fields(OptimCfg)}
     assert cfg.rollout.group_size == 3 and cfg.objective.name == "cispo"
-    assert measure.sampling(cfg).n == 3
+    assert rollout_sampling(cfg).n == 3
     for stale in (
         "n=2",
         "alpha.mode=none",

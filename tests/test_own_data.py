@@ -59,8 +59,6 @@ def test_a_folder_model_and_a_parquet_dataset_train_through_the_cli(tmp_path):
 def _compose(*overrides):
     from hydra import compose, initialize_config_dir
 
-    from harness.runs import config as _schema  # noqa: F401  (registers train_schema)
-
     with initialize_config_dir(config_dir=str(ROOT / "experiments"), version_base="1.3"):
         return compose("train", overrides=list(overrides))
 

@@ -41,7 +41,7 @@ def loop_hooks(obj: Objective, steps: int = HORIZON) -> list[str]:
     needs = []
     if obj.inputs != "logp":
         needs.append(f"inputs={obj.inputs!r} (TRL's loss sees the sampled tokens' log-probs)")
-    if any(obj.calibration_due(s, steps) for s in range(1, steps + 1)):
+    if obj.calibrations(steps):
         needs.append("a high-precision shadow pass (calibration_due)")
     if any(obj.refresh_due(s) for s in range(1, steps + 1)):
         needs.append("a calibration pass at the live weights (refresh_due)")

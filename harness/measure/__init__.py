@@ -52,19 +52,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.base.batch import TokenBatch, log_rho
 from harness.base.io import write_json_atomic, write_text_atomic
-from harness.base.models import DTYPES, load_model, resolve_device, set_tf32, weights_sha
+from harness.base.models import load_model, resolve_device, set_tf32, weights_sha
 from harness.noise import NOISE, layer_amplification
 from harness.objectives import build_objective
 from harness.rl.alpha import minibatch_schedule, perturb_weights_
-from harness.rl.setup import build_policy, build_sampler, r2, step_seed
+from harness.rl.setup import build_policy, build_sampler, r2, rollout_sampling, step_seed
 from harness.rl.step import Learner, StepOptions, adamw, collect, update
+from harness.runs import config
+from harness.runs.access import noise_nodes, split_node
 from harness.runs.config import EngineCfg, ModelCfg, OptimCfg, RolloutCfg, open_schema
 from harness.runs.launch import run_task
-from harness.runs.validate import ATTENTIONS, check_nodes, noise_nodes, split_node
-from harness.sampling.engines import Engine
-from harness.sampling.logprobs import check_sampling
-from harness.sampling.rollout import Rollout, Sampling
-from harness.sampling.samplers import check_sampler
+from harness.runs.validate import validate
+from harness.sampling.engines import Engine, Rollout
+from harness.sampling.rollout import Sampler
 from harness.stats.diagnostics import CONF_EDGES, bin_index, gate, identity_check
 from harness.stats.snr import (
     CI_COLUMNS,
@@ -164,30 +164,27 @@ def schema() -> DictConfig:
     return open_schema(MeasureConfig, OPEN_NODES)
 
 
-ConfigStore.instance().store(name="measure_schema", node=schema())
-ConfigStore.instance().store(group="noise", name="fp8_block_w8a8", node=DEFAULT_NOISE)
+def register() -> None:
+    """What Hydra needs before it composes experiments/measure.yaml: the job configs' resolvers,
+    this job's schema (`measure_schema`) and its default noise option (`fp8_block_w8a8`)."""
+    config.register()
+    ConfigStore.instance().store(name="measure_schema", node=schema())
+    ConfigStore.instance().store(group="noise", name="fp8_block_w8a8", node=DEFAULT_NOISE)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Every check that needs no model, before anything is written or loaded: each error names the
-    key, the bad value and what is valid (or the key that replaced it)."""
-    check_nodes(cfg)  # noise=<name> and the objective node, against their builders
+def check_measure(cfg: DictConfig) -> None:
+    """The measurement job's own keys, after the checks every job makes
+    (harness.runs.validate.validate: the swept nodes, the engine and rollout nodes): each error
+    names the key, the bad value and what is valid."""
     eng = cfg.engine
     for key, value, valid in [
         ("live.mode", cfg.live.mode, ("steps", "perturb", "none")),
-        ("engine.sampler_dtype", eng.sampler_dtype, tuple(DTYPES)),
-        ("engine.trainer_dtype", eng.trainer_dtype, tuple(DTYPES)),
-        ("engine.sampler_attention", eng.sampler_attention, ATTENTIONS),
         # Δ is the trainer's recompute against μ, in the trainer's own precision
         ("engine.logp_old_source", eng.logp_old_source, ("trainer",)),
         ("engine.trainer_fp8", eng.trainer_fp8, (False,)),
-        ("engine.routing_replay_source", eng.routing_replay_source, ("sampler", "trainer")),
     ]:
         if value not in valid:
             raise ValueError(f"{key}={value!r}; valid: {', '.join(map(repr, valid))}")
-    mb = eng.micro_batch_tokens
-    if mb is not None and mb < 1:
-        raise ValueError(f"engine.micro_batch_tokens={mb!r}; valid: >= 1, or null (one pass)")
     for key in ("upcycle", "warmstart"):  # harness.train's task models only
         if cfg.model[key]:
             raise ValueError(f"model.{key}={cfg.model[key]!r}; valid for harness.measure: unset")
@@ -201,9 +198,13 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(
             f"rollout.max_new_tokens={r.max_new_tokens!r}; valid: >= 1 (no task sets a budget here)"
         )
-    check_sampling(r.temperature, r.top_k, r.top_p, prefix="rollout.")
-    check_sampler(eng, [n["name"] for n in noise_nodes(cfg)], r)
-    resolve_device(eng.device)  # a CUDA device must exist here
+
+
+def check(cfg: DictConfig) -> None:
+    """The job's one check, before anything is written or loaded: every config check with the
+    job's own keys, then the refusal to overwrite committed results."""
+    validate(cfg, job=check_measure)
+    guard_committed(cfg)
 
 
 # the live pass's rollouts are steps LIVE_STEP0, LIVE_STEP0 + 1, ... of the run's seed stream
@@ -289,18 +290,8 @@ def model_spec(cfg: DictConfig) -> str:
 # --- passes -------------------------------------------------------------------------------------
 
 
-def sampling(cfg: DictConfig) -> Sampling:
-    return Sampling(
-        n=cfg.rollout.group_size,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-    )
-
-
 def sample(engine: Engine, prompts, cfg: DictConfig, seed: int) -> Rollout:
-    return engine.generate(prompts, sampling(cfg), seed=seed, progress=cfg.progress)
+    return engine.generate(prompts, rollout_sampling(cfg), seed=seed, progress=cfg.progress)
 
 
 def token_log(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -586,8 +577,184 @@ def guard_committed(cfg: DictConfig) -> None:
         )
 
 
-def run(cfg: DictConfig) -> dict:
-    validate(cfg)
+@dataclass
+class Models:
+    """The job's policies, every copy of θ_b taken before any noise or replay hook is attached
+    (deepcopy copies hooks): μ (its own copy, dtype, engine and noise), π at θ_b (the trainer),
+    the pristine θ_b (the truth check's reference) and the live policy's model (→ θ; None with
+    live.mode=none)."""
+
+    spec: str
+    tok: Any
+    trainer_model: torch.nn.Module
+    weights_sha: str
+    sampler: Sampler
+    trainer: Engine
+    reference: Engine
+    live_model: torch.nn.Module | None
+
+
+def load(cfg: DictConfig) -> Models:
+    spec, eng = model_spec(cfg), cfg.engine
+    device = resolve_device(eng.device)
+    set_tf32(eng.tf32)
+    print(
+        f"[measure] loading {spec} on {device}; μ: {beta_label(cfg, noise_nodes(cfg))} ...",
+        flush=True,
+    )
+    trainer_model, tok = load_model(spec, dtype=eng.trainer_dtype, seed=cfg.seed)
+    trainer_model.to(device)
+    trainer_model.requires_grad_(False)
+    sha = weights_sha(trainer_model)  # before any α step: the weights measured
+    print(f"[measure] {spec}: weights checksum {sha}", flush=True)
+    sampler = build_sampler(cfg, trainer_model, tok)
+    reference_model = copy.deepcopy(trainer_model)
+    live_model = copy.deepcopy(trainer_model) if cfg.live.mode != "none" else None
+    return Models(
+        spec=spec,
+        tok=tok,
+        trainer_model=trainer_model,
+        weights_sha=sha,
+        sampler=sampler,
+        trainer=build_policy(cfg, trainer_model, tok),
+        reference=build_policy(cfg, reference_model, tok),
+        live_model=live_model,
+    )
+
+
+@dataclass
+class Pass:
+    """What a pass leaves beside the SNR split's streams: each round's identity-check mean
+    ratio and, with measurement.dump_tokens, its token columns."""
+
+    identity: list[float] = field(default_factory=list)
+    dumps: list[pd.DataFrame] = field(default_factory=list)
+
+
+def calibration_pass(cfg: DictConfig, m: Models, prompts, split: SNRSplit) -> tuple[Pass, tuple]:
+    """Step 1, α ≡ 0: μ samples and the trainer scores at θ_b (harness.rl.step.collect, as a
+    training step collects), `measurement.rounds` times. Returns the pass and the first round's
+    (batch, rollout, mean reward): the rollouts the α steps train on."""
+    p, first, rounds = Pass(), None, cfg.measurement.rounds
+    for i in range(rounds):
+        print(f"[measure] calibration round {i + 1}/{rounds}: sampling ...", flush=True)
+        batch, ro, r = collect(
+            m.sampler,
+            m.trainer,
+            prompts,
+            partial(rewards, m.tok),
+            rollout_sampling(cfg),
+            StepOptions(
+                mask_replay=cfg.engine.mask_replay, own_routes=r2(cfg), progress=cfg.progress
+            ),
+            seed=step_seed(cfg.seed, i),
+        )
+        sc = {"p_t": batch.p_t, "p_sq_sum": batch.p_sq_sum}
+        tol = cfg.measurement.identity_tol
+        p.identity.append(check_identity(batch.logp_old, ro, tol, "calibration"))
+        cols = token_log(ro, sc, batch.logp_old)
+        split.add_cal(**token_columns(**cols))
+        if cfg.measurement.dump_tokens:  # opt-in: the one thing here that grows with the tokens
+            p.dumps.append(dump_frame(cols, i * len(ro.logp_mu)))
+        if first is None:
+            first = (batch, ro, float(r.mean()))
+    return p, first
+
+
+def move_to_theta(cfg: DictConfig, m: Models, first: tuple) -> tuple[Engine, dict]:
+    """Step 2, θ_b → θ on the live policy's own copy (live.mode): the live policy and what
+    moved it."""
+    info: dict = {"mode": cfg.live.mode}
+    if m.live_model is None:
+        info["label"] = "none"
+        return m.trainer, info
+    live = build_policy(cfg, m.live_model, m.tok)
+    if cfg.live.mode == "perturb":
+        perturb_weights_(m.live_model, cfg.live.rel_sigma, seed=cfg.live.perturb_seed)
+        info["label"] = f"perturb rel σ={cfg.live.rel_sigma:g}"
+    else:
+        steps, objective = cfg.live.steps, cfg.objective.name
+        print(f"[measure] α: {steps} × {objective} steps ...", flush=True)
+        info.update(train_steps(live, first[0], first[1], cfg), reward_mean=first[2])
+        info["label"] = f"{steps} {objective} steps, lr={cfg.optim.lr:g}"
+    info["rel_weight_change"] = rel_weight_change(m.live_model, m.trainer_model)
+    return live, info
+
+
+def live_pass(
+    cfg: DictConfig, m: Models, live: Engine, prompts, split: SNRSplit
+) -> tuple[Pass, BinnedMoments, float, tuple]:
+    """Step 3, the live pass with ground truth: μ samples at θ_b, the trainer scores at θ_b and
+    the live policy at θ. Per token β = log π(θ_b) − log μ and α = log π(θ) − log π(θ_b),
+    binned (the truth); the truth check recomputes π at θ_b with the pristine reference (not the
+    trainer object): it fails when the trainer drifted from θ_b or when α or β were measured
+    against the wrong policy. Returns the pass, the truth, the largest disagreement with the
+    reference and the first round's (tokens, attention mask) for the layer amplification."""
+    replay, edges, rounds = (
+        cfg.engine.mask_replay,
+        list(cfg.measurement.edges),
+        cfg.measurement.rounds,
+    )
+    p, truth, max_err, amp_tokens = Pass(), BinnedMoments(len(edges) - 1, 2), 0.0, None
+    for i in range(rounds):
+        print(f"[measure] live round {i + 1}/{rounds}: sampling ...", flush=True)
+        ro = sample(m.sampler, prompts, cfg, seed=step_seed(cfg.seed, LIVE_STEP0 + i))
+        if r2(cfg):  # the live policy replays the trainer's routes at θ_b
+            ro = replace(ro, routing=m.trainer.own_routes(ro))
+        sc_b = m.trainer.logp(ro, mask_replay=replay)
+        sc_t = sc_b if live is m.trainer else live.logp(ro, mask_replay=replay)
+        tol = cfg.measurement.identity_tol
+        p.identity.append(check_identity(sc_t["logp"], ro, tol, "live"))
+        cols = token_log(ro, sc_t, sc_t["logp"])
+        arr = token_columns(**cols)
+        split.add_live(**arr)
+        mask = ro.response_mask.bool()
+        beta = log_rho(sc_b["logp"], ro.logp_mu)[mask].double()
+        alpha = (sc_t["logp"] - sc_b["logp"])[mask].double()
+        if cfg.measurement.dump_tokens:
+            p.dumps.append(dump_frame(cols, i * len(ro.logp_mu), alpha=alpha, beta=beta))
+        truth.add(bin_index(arr["conf"], edges), torch.stack([alpha, beta], 1).cpu().numpy())
+        ref = m.reference.logp(ro, stats=False, mask_replay=replay)["logp"][mask].double()
+        err = torch.cat([beta - log_rho(ref, ro.logp_mu[mask]), alpha - (sc_t["logp"][mask] - ref)])
+        max_err = max(max_err, float(err.abs().max()))
+        if amp_tokens is None:
+            rows = cfg.measurement.amp_rows
+            amp_tokens = (ro.tokens[:rows], ro.attention_mask[:rows])
+    return p, truth, max_err, amp_tokens
+
+
+def check_truth(max_err: float, tol: float) -> None:
+    if max_err > tol:
+        raise RuntimeError(
+            f"[measure] ground truth check failed: the per-token α, β differ from the pristine "
+            f"θ_b reference by up to {max_err:.3g} (> measurement.truth_tol={tol:g}): the "
+            "trainer moved away from the behaviour weights, or α/β were read against the wrong "
+            "policy"
+        )
+
+
+def amplification(cfg: DictConfig, model: torch.nn.Module, amp_tokens: tuple) -> pd.DataFrame:
+    """Step 4, layer amplification: ‖Δh_l‖ per decoder layer after one injection of relative
+    size measurement.amp_sigma at layer 0 and at the embedding output."""
+    rows = []
+    for where in (0, "embed"):
+        amp = layer_amplification(
+            model,
+            amp_tokens[0],
+            inject_at=where,
+            sigma=cfg.measurement.amp_sigma,
+            seeds=tuple(range(cfg.measurement.amp_seeds)),
+            attention_mask=amp_tokens[1],
+        )
+        rows.append(pd.DataFrame(amp).assign(inject_at=str(where)))
+    return pd.concat(rows)
+
+
+def run(cfg: DictConfig, validated: bool = False) -> dict:
+    """The job (the module docstring's steps 1–5) into `cfg.out`; its summary. `validated`:
+    the caller ran `check` (harness.measure's main, through run_task)."""
+    if not validated:
+        check(cfg)
     t_start = time.time()
     timings: dict[str, float] = {}
     out = Path(cfg.out)
@@ -596,148 +763,41 @@ def run(cfg: DictConfig) -> dict:
         cfg.measurement.edges = list(CONF_EDGES)
     write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     torch.manual_seed(cfg.seed)
-    nodes = noise_nodes(cfg)
-    spec = model_spec(cfg)
-    eng, replay = cfg.engine, cfg.engine.mask_replay
-    device = resolve_device(eng.device)
-    set_tf32(eng.tf32)
-
-    print(f"[measure] loading {spec} on {device}; μ: {beta_label(cfg, nodes)} ...", flush=True)
-    trainer_model, tok = load_model(spec, dtype=eng.trainer_dtype, seed=cfg.seed)
-    trainer_model.to(device)
-    trainer_model.requires_grad_(False)
-    model_sha = weights_sha(trainer_model)  # before any α step: the weights measured
-    print(f"[measure] {spec}: weights checksum {model_sha}", flush=True)
-    # every copy of θ_b before any noise or replay hook is attached (deepcopy copies hooks)
-    sampler = build_sampler(cfg, trainer_model, tok)  # μ: its own copy, dtype, engine, noise
-    reference_model = copy.deepcopy(trainer_model)  # θ_b, untouched (the truth check)
-    live_model = copy.deepcopy(trainer_model) if cfg.live.mode != "none" else None  # → θ
-    trainer = build_policy(cfg, trainer_model, tok)  # π at θ_b
-    reference = build_policy(cfg, reference_model, tok)
-    prompts = format_prompts(tok, [p for p, _ in PROMPTS[: cfg.rollout.prompts_per_step]])
+    m = load(cfg)
+    prompts = format_prompts(m.tok, [p for p, _ in PROMPTS[: cfg.rollout.prompts_per_step]])
     split = new_split(cfg.measurement)
-    ident: dict[str, list[float]] = {"cal": [], "live": []}
-    dumps: dict[str, list[pd.DataFrame]] = {"cal": [], "live": []}
 
-    # --- 1. calibration: α ≡ 0 -----------------------------------------------------------------
     t = time.time()
-    first = None
-    for i in range(cfg.measurement.rounds):
-        print(
-            f"[measure] calibration round {i + 1}/{cfg.measurement.rounds}: sampling ...",
-            flush=True,
-        )
-        batch, ro, r = collect(
-            sampler,
-            trainer,
-            prompts,
-            partial(rewards, tok),
-            sampling(cfg),
-            StepOptions(mask_replay=replay, own_routes=r2(cfg), progress=cfg.progress),
-            seed=step_seed(cfg.seed, i),
-        )
-        sc = {"p_t": batch.p_t, "p_sq_sum": batch.p_sq_sum}
-        ident["cal"].append(
-            check_identity(batch.logp_old, ro, cfg.measurement.identity_tol, "calibration")
-        )
-        cols = token_log(ro, sc, batch.logp_old)
-        split.add_cal(**token_columns(**cols))
-        if cfg.measurement.dump_tokens:  # opt-in: the one thing here that grows with the tokens
-            dumps["cal"].append(dump_frame(cols, i * len(ro.logp_mu)))
-        if first is None:
-            first = (batch, ro, float(r.mean()))
+    cal, first = calibration_pass(cfg, m, prompts, split)
     timings["calibration_s"] = time.time() - t
-
-    # --- 2. α: θ_b → θ --------------------------------------------------------------------------
     t = time.time()
-    alpha_info: dict = {"mode": cfg.live.mode}
-    live = trainer
-    if live_model is not None:
-        live = build_policy(cfg, live_model, tok)
-        if cfg.live.mode == "perturb":
-            perturb_weights_(live_model, cfg.live.rel_sigma, seed=cfg.live.perturb_seed)
-            alpha_info["label"] = f"perturb rel σ={cfg.live.rel_sigma:g}"
-        else:
-            steps, objective = cfg.live.steps, cfg.objective.name
-            print(f"[measure] α: {steps} × {objective} steps ...", flush=True)
-            alpha_info.update(train_steps(live, first[0], first[1], cfg), reward_mean=first[2])
-            alpha_info["label"] = f"{steps} {objective} steps, lr={cfg.optim.lr:g}"
-        alpha_info["rel_weight_change"] = rel_weight_change(live_model, trainer_model)
-    else:
-        alpha_info["label"] = "none"
+    live, alpha_info = move_to_theta(cfg, m, first)
     timings["alpha_s"] = time.time() - t
-    first = None
-
-    # --- 3. live pass with ground truth --------------------------------------------------------
-    # The truth check recomputes π at θ_b with `reference`, a noise-free copy of θ_b taken before
-    # any α step (not the trainer object): it fails when the trainer drifted from θ_b or when α
-    # or β were measured against the wrong policy.
+    del first  # the calibration rollouts: only the α steps train on them
     t = time.time()
-    truth = BinnedMoments(len(cfg.measurement.edges) - 1, 2)
-    max_err = 0.0
-    amp_tokens = None
-    for i in range(cfg.measurement.rounds):
-        print(f"[measure] live round {i + 1}/{cfg.measurement.rounds}: sampling ...", flush=True)
-        ro = sample(sampler, prompts, cfg, seed=step_seed(cfg.seed, LIVE_STEP0 + i))
-        if r2(cfg):  # the live policy replays the trainer's routes at θ_b
-            ro = replace(ro, routing=trainer.own_routes(ro))
-        sc_b = trainer.logp(ro, mask_replay=replay)
-        sc_t = sc_b if live is trainer else live.logp(ro, mask_replay=replay)
-        ident["live"].append(check_identity(sc_t["logp"], ro, cfg.measurement.identity_tol, "live"))
-        cols = token_log(ro, sc_t, sc_t["logp"])
-        arr = token_columns(**cols)
-        split.add_live(**arr)
-        m = ro.response_mask.bool()
-        beta = log_rho(sc_b["logp"], ro.logp_mu)[m].double()
-        alpha = (sc_t["logp"] - sc_b["logp"])[m].double()
-        if cfg.measurement.dump_tokens:
-            dumps["live"].append(dump_frame(cols, i * len(ro.logp_mu), alpha=alpha, beta=beta))
-        alpha_beta = torch.stack([alpha, beta], 1).cpu().numpy()
-        truth.add(bin_index(arr["conf"], list(cfg.measurement.edges)), alpha_beta)
-        ref = reference.logp(ro, stats=False, mask_replay=replay)["logp"][m].double()
-        err = torch.cat([beta - log_rho(ref, ro.logp_mu[m]), alpha - (sc_t["logp"][m] - ref)])
-        max_err = max(max_err, float(err.abs().max()))
-        if amp_tokens is None:
-            amp_tokens = (
-                ro.tokens[: cfg.measurement.amp_rows],
-                ro.attention_mask[: cfg.measurement.amp_rows],
-            )
+    lp, truth, max_err, amp_tokens = live_pass(cfg, m, live, prompts, split)
     timings["live_s"] = time.time() - t
-    if max_err > cfg.measurement.truth_tol:
-        raise RuntimeError(
-            f"[measure] ground truth check failed: the per-token α, β differ from the pristine "
-            f"θ_b reference by up to {max_err:.3g} (> measurement.truth_tol="
-            f"{cfg.measurement.truth_tol:g}): the trainer moved away from the behaviour weights, "
-            "or α/β were read against the wrong policy"
-        )
-
-    # --- 4. layer amplification ----------------------------------------------------------------
+    check_truth(max_err, cfg.measurement.truth_tol)
     if cfg.measurement.amp_rows > 0:
         t = time.time()
-        rows = []
-        for where in (0, "embed"):
-            amp = layer_amplification(
-                trainer_model,
-                amp_tokens[0],
-                inject_at=where,
-                sigma=cfg.measurement.amp_sigma,
-                seeds=tuple(range(cfg.measurement.amp_seeds)),
-                attention_mask=amp_tokens[1],
-            )
-            rows.append(pd.DataFrame(amp).assign(inject_at=str(where)))
-        write_text_atomic(out / "layer_amplification.csv", pd.concat(rows).to_csv(index=False))
+        amp = amplification(cfg, m.trainer_model, amp_tokens)
+        write_text_atomic(out / "layer_amplification.csv", amp.to_csv(index=False))
         timings["layer_amp_s"] = time.time() - t
 
-    # --- 5. tables and files -------------------------------------------------------------------
+    # step 5: tables and files
+    eng = cfg.engine
     meta = {
-        "model": spec,
-        "weights_sha": model_sha,
+        "model": m.spec,
+        "weights_sha": m.weights_sha,
         "sampler": eng.sampler,  # μ's engine (ct2: its compute type is in the label)
         "sampler_dtype": eng.sampler_dtype,
         "trainer_dtype": eng.trainer_dtype,
         "alpha": alpha_info,
         "alpha_label": alpha_info["label"],
-        "identity_mean_ratio": {k: float(np.mean(v)) for k, v in ident.items()},
+        "identity_mean_ratio": {
+            "cal": float(np.mean(cal.identity)),
+            "live": float(np.mean(lp.identity)),
+        },
         "truth_max_abs_err": max_err,  # α, β vs the pristine θ_b reference: 0 up to rounding
         "amp_sigma": cfg.measurement.amp_sigma,
     }
@@ -749,23 +809,22 @@ def run(cfg: DictConfig) -> dict:
     report["summary"]["timings"] = {k: round(v, 1) for k, v in timings.items()}
     write_report(out, report)
     if cfg.measurement.dump_tokens:
-        for name, frames in dumps.items():
+        for name, frames in (("cal", cal.dumps), ("live", lp.dumps)):
             write_parquet(out / f"tokens_{name}.parquet", pd.concat(frames, ignore_index=True))
     print(f"[measure] wrote {out}/ ({time.time() - t_start:.0f} s); its figures:", flush=True)
-    for cmd in figure_commands(out, spec):
+    for cmd in figure_commands(out, m.spec):
         print(f"    {cmd}", flush=True)
     return report["summary"]
 
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "experiments")
+register()
 
 
 @hydra.main(config_path=CONFIGS, config_name="measure", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    validate(cfg)  # before run_task records meta.json in the run folder
-    guard_committed(cfg)
     print(OmegaConf.to_yaml(cfg))
-    return run_task(run, cfg)
+    return run_task(partial(run, validated=True), cfg, check=check)  # checked once, first
 
 
 def check_argv(argv: list[str]) -> None:

@@ -21,6 +21,9 @@ class NoiseModel:
     """
 
     uses_context = True
+    # β's scale, where the model has one: drivers.beta_growth grows it over a run (harness.train);
+    # None for a model without one (fp8, replay), which the driver leaves alone
+    sigma: float | None = None
 
     @property
     def row_local(self) -> bool:

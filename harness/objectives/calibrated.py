@@ -12,7 +12,8 @@ high-precision shadow pass (π_θ and π_old recomputed at BF16 on the step's la
   H*  rebalancing (contribution DERIVED): G⁺(H; r) = Σ_{A>0} |A|·r·1[r ≤ H] and
       G⁻(L; r) = Σ_{A<0} |A|·r·1[r ≥ L]; ρ* = G⁺(1+ε_h; r_hp)/G⁻(1−ε_l; r_hp);
       H* = the smallest H with G⁺(H; r_lp) ≥ ρ*·G⁻(L*; r_lp). balance="count" uses 1 for |A|·r.
-The loop asks `obj.calibration_due(step, steps)`; [L, H] live in `state_dict()`.
+These are the hooks of `Objective` (harness.objectives.core): the loop asks
+`calibration_due(step, steps)`, validation `check(steps)`; [L, H] live in `state_dict()`.
 Defaults are the paper's where known: initial window [0.6, 1.8], TIS C = 2 in every run, K = 20
 steps for runs of ≥ 200 steps; shorter runs calibrate every steps // 10 (≥ 10 calibrations, so
 the EMA can reach its target: 0.9^10 ≈ 0.35 of the start is left).
@@ -21,15 +22,14 @@ the EMA can reach its target: 0.9^10 ≈ 0.35 of the start is left).
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from harness.base.batch import TokenBatch
-from harness.base.registry import register
 from harness.objectives.core import (
-    OBJECTIVES,
     SAFETY,
     ObjectiveOutput,
     PolicyObjective,
@@ -75,11 +75,6 @@ def calibration_every(steps: int, every: int | None = None) -> int:
     return every if every is not None else max(1, min(PAPER_EVERY, steps // 10))
 
 
-def calibrations(steps: int, every: int | None = None) -> int:
-    """How many steps of 1..steps calibrate: 1, 1 + K, 1 + 2K, …"""
-    return (steps - 1) // calibration_every(steps, every) + 1
-
-
 class CalibratedClip(PolicyObjective):
     """PPO clip with stateful [L, H]; `self.policy` keeps the reference window [1−ε_l, 1+ε_h]."""
 
@@ -103,6 +98,26 @@ class CalibratedClip(PolicyObjective):
 
     def calibration_due(self, step: int, steps: int) -> bool:
         return (step - 1) % calibration_every(steps, self.every) == 0
+
+    def check(self, steps: int) -> None:
+        """≥ 3 calibrations in the run (a warning below the ≥ 10 the default cadence gives: with
+        EMA 0.9, 3 move [L, H] 27% of the way to its target). Steps 1, 1 + K, … calibrate."""
+        default = calibration_every(steps)
+        n = self.calibrations(steps)
+        if n < min(3, steps):  # a run shorter than 3 steps calibrates every step at best
+            raise ValueError(
+                f"objective.every={self.every!r} gives {n} calibration(s) in steps={steps}; "
+                f"valid: every ≤ {max(1, (steps - 1) // 2)} (≥ 3 calibrations), or null (every "
+                f"{default} here: {len(range(1, steps + 1, default))} calibrations)"
+            )
+        if n < min(10, steps):
+            print(
+                f"[train] warning: objective.every={self.every} gives {n} calibrations in "
+                f"steps={steps}; with EMA {self.ema} the window moves {1 - self.ema**n:.0%} of "
+                "the way to its target",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def window(self) -> Window:
         """The clip acts on the current [L, H], not on the reference window `self.policy` keeps."""
@@ -165,7 +180,6 @@ class CalibratedClip(PolicyObjective):
         self.low, self.high = float(state["low"]), float(state["high"])
 
 
-@register(OBJECTIVES, "calibrated_clip")
 def calibrated_clip(
     *,
     eps_low: float = 0.2,

@@ -19,10 +19,11 @@ leaves the normaliser too. Clipped tokens are never "rejected": they always coun
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,7 +39,6 @@ from harness.base.registry import check_kwargs, lookup, register
 from harness.stats.diagnostics import BAND, SAFETY, ess
 from harness.stats.repetition import PLACES
 
-OBJECTIVES: dict[str, Callable] = {}
 AGGREGATIONS: dict[str, Callable] = {}
 
 RATIOS = ("trust", "ti", "folded")
@@ -66,10 +66,37 @@ class Window(NamedTuple):
     clip: tuple[float, float] = (0.8, 1.28)  # DAPO's 1 − 0.2, 1 + 0.28
 
 
-class Objective:
-    """Base: `inputs` says what `__call__` takes; state is empty unless a subclass holds some."""
+class Objective(ABC):
+    """The contract the training loop holds every objective to. A subclass defines `__call__`;
+    every other hook has the plain case's default: a policy loss on log π_θ of the sampled tokens
+    that aggregates on its own, the reference window, no calibration, no refresh, no state.
 
-    inputs = "logp"  # obj(logp, batch); "logits" for opsd_fkl: obj(student, teacher, mask)
+    inputs           what `__call__` takes: "logp", obj(logp, batch) -> ObjectiveOutput (logp
+                     [B, T] with grad); "logits", obj(student_logits, teacher_logits, mask): a
+                     distillation loss, so the run needs a teacher (`needs_teacher`,
+                     distill.enabled)
+    aggregated       whether its builder takes the aggregation group (aggregation=<name>, its
+                     rejected_in_denominator and norm_len); False: `__call__` returns the loss
+                     already reduced, and the group is left at its default
+    window()         the band and clip window the step-0 mechanism check measures against
+    calibration_due(step, steps), calibrate(...)
+                     a high-precision shadow pass on the due step's last minibatch
+    refresh_due(step), refresh(Δ_cal, p_t)
+                     a calibration pass at the live weights before the due step
+    check(steps)     refuse, before any compute, a run too short for it to do its job
+    state_dict(), load_state_dict(state)      what a checkpoint keeps of it
+    """
+
+    inputs: ClassVar[Literal["logp", "logits"]] = "logp"
+    aggregated: ClassVar[bool] = False
+
+    @abstractmethod
+    def __call__(self, *args: Tensor) -> ObjectiveOutput: ...
+
+    @property
+    def needs_teacher(self) -> bool:
+        """A loss on the student's and a teacher's logits distils: the run builds the teacher."""
+        return self.inputs == "logits"
 
     def window(self) -> Window:
         """The windows the mechanism check measures r = π_old/μ against. The default is the
@@ -77,15 +104,43 @@ class Objective:
         objective with no window of its own."""
         return Window()
 
-    def refresh_due(self, step: int) -> bool:
-        """Whether the loop runs a calibration pass at the live weights before `step` and hands
-        it to `refresh(Δ_cal, p_t)` (snr_shrink adaptive=true)."""
+    def calibration_due(self, step: int, steps: int) -> bool:
+        """Whether step `step` of a `steps`-step run feeds its last minibatch to `calibrate`."""
         return False
 
-    def calibration_due(self, step: int, steps: int) -> bool:
-        """Whether step `step` of a `steps`-step run feeds its last minibatch to
-        `calibrate(...)` with a high-precision shadow pass (calibrated_clip)."""
+    def calibrations(self, steps: int) -> int:
+        """How many of steps 1..steps calibrate."""
+        return sum(self.calibration_due(step, steps) for step in range(1, steps + 1))
+
+    def calibrate(
+        self,
+        logp_hp: Tensor,
+        logp_old_hp: Tensor,
+        logp_lp: Tensor,
+        logp_old_lp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+    ) -> dict[str, float]:
+        """One calibration from the shadow pass: π_θ and π_old recomputed at high precision
+        (hp) beside the low-precision log-probs training uses (lp); returns its metrics."""
+        raise NotImplementedError(
+            f"{type(self).__name__} is due a calibration but has no calibrate"
+        )
+
+    def refresh_due(self, step: int) -> bool:
+        """Whether the loop runs a calibration pass at the live weights before `step` and hands
+        it to `refresh`."""
         return False
+
+    def refresh(self, delta_cal: Tensor, conf_cal: Tensor) -> dict[str, float]:
+        """Re-derive the objective's state from a calibration pass at the live weights: per
+        token Δ_cal = log π_θ − log μ (β alone) and p_t = π_θ(y_t); returns its metrics."""
+        raise NotImplementedError(f"{type(self).__name__} is due a refresh but has no refresh")
+
+    def check(self, steps: int) -> None:
+        """Refuse a `steps`-step run before any compute (ValueError naming the key, the bad
+        value and what is valid); the plain objective fits any length."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -353,6 +408,8 @@ def gradient_coefficient_tail(per_token: Tensor, logp: Tensor, batch: TokenBatch
 
 class PolicyObjective(Objective):
     """obj(logp, batch) -> ObjectiveOutput for one grid point: policy term × corrections."""
+
+    aggregated = True
 
     def __init__(
         self,

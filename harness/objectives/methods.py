@@ -1,4 +1,5 @@
-"""Named methods of the grid, each a few parts of `core`; `grid` composes new points.
+"""Named methods of the grid, each a few parts of `core` (harness.objectives.grid composes new
+points).
 
 Windows of clip methods are given as eps_low/eps_high around 1; bands of mask/clamp methods as
 absolute lo/hi. Every builder also takes aggregation / rejected_in_denominator / norm_len
@@ -7,7 +8,6 @@ absolute lo/hi. Every builder also takes aggregation / rejected_in_denominator /
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,9 +17,7 @@ import torch
 from torch import Tensor
 
 from harness.base.batch import TokenBatch, log_ratio_folded, log_rho
-from harness.base.registry import register
 from harness.objectives.core import (
-    OBJECTIVES,
     PolicyObjective,
     RatioCorrection,
     Term,
@@ -46,7 +44,6 @@ def trainer_prob(batch: TokenBatch) -> Tensor:
     return batch.p_t if batch.p_t is not None else batch.logp_old.exp()
 
 
-@register(OBJECTIVES, "ppo_clip")
 def ppo_clip(
     *,
     eps_low: float = 0.2,
@@ -65,7 +62,6 @@ def ppo_clip(
     )
 
 
-@register(OBJECTIVES, "gspo")
 def gspo(
     *,
     eps_low: float = 3e-4,
@@ -83,7 +79,6 @@ def gspo(
     )
 
 
-@register(OBJECTIVES, "tis")
 def tis(
     *,
     cap: float = 2.0,
@@ -105,7 +100,6 @@ def tis(
     )
 
 
-@register(OBJECTIVES, "mis")
 def mis(
     *,
     ratio: str = "ti",
@@ -131,7 +125,6 @@ def mis(
     )
 
 
-@register(OBJECTIVES, "cispo")
 def cispo(
     *,
     ratio: str = "trust",
@@ -151,7 +144,6 @@ def cispo(
     )
 
 
-@register(OBJECTIVES, "band")
 def band(
     *,
     ratio: str = "folded",
@@ -210,7 +202,6 @@ class TVMask:
         return torch.ones_like(dp), keep.to(dp)
 
 
-@register(OBJECTIVES, "dppo_tv")
 def dppo_tv(
     *,
     ratio: str = "folded",
@@ -250,7 +241,6 @@ class CISWeight:
         return f, torch.ones_like(f)
 
 
-@register(OBJECTIVES, "cis")
 def cis(
     *,
     lam: float = 2.3,
@@ -295,7 +285,6 @@ class S2TMask:
         return torch.ones_like(keep), keep
 
 
-@register(OBJECTIVES, "stapo")
 def stapo(
     *,
     tau_p: float = 0.002,
@@ -418,7 +407,6 @@ class SNRShrink(PolicyObjective):
         self.live_conf = state.get("live_conf", torch.zeros(0))
 
 
-@register(OBJECTIVES, "snr_shrink")
 def snr_shrink(
     *,
     ratio: str = "folded",
@@ -447,50 +435,4 @@ def snr_shrink(
         aggregation=aggregation,
         rejected_in_denominator=rejected_in_denominator,
         norm_len=norm_len,
-    )
-
-
-# the corrections a grid point can multiply in: name -> dataclass (its fields are the kwargs)
-CORRECTIONS = {"ratio": RatioCorrection, "tv": TVMask, "cis": CISWeight, "s2t": S2TMask}
-
-
-def build_correction(spec: dict[str, Any]):
-    """{"kind": ratio | tv | cis | s2t, **fields} -> the correction; bad names list the valid."""
-    spec = dict(spec)
-    kind = spec.pop("kind", None)
-    if kind not in CORRECTIONS:
-        raise ValueError(f"grid correction kind={kind!r}; valid: {', '.join(CORRECTIONS)}")
-    cls = CORRECTIONS[kind]
-    fields = [f.name for f in dataclasses.fields(cls)]
-    bad = sorted(set(spec) - set(fields))
-    if bad:
-        raise TypeError(f"grid correction {kind!r}: unknown field(s) {bad}; valid: {fields}")
-    return cls(**spec)
-
-
-@register(OBJECTIVES, "grid")
-def grid(
-    *,
-    ratio: str = "trust",
-    level: str = "token",
-    treatment: str = "clip",
-    lo: float = 0.8,
-    hi: float = 1.28,
-    c: float | None = None,
-    lam: float = 1.0,
-    corrections: list[dict[str, Any]] | None = None,
-    aggregation: str = "token-mean",
-    rejected_in_denominator: bool = True,
-    norm_len: int | None = None,
-) -> PolicyObjective:
-    """Any Table 9 point from config: a policy Term (ratio, level, treatment, bounds) times any
-    corrections, e.g. `corrections=[{kind: ratio, ratio: ti, hi: 2}, {kind: cis}]`: a ratio
-    correction (TIS clamp, MIS mask, IcePop pop), the DPPO-TV mask, CIS weights, STAPO's S2T."""
-    return PolicyObjective(
-        Term(ratio, level, treatment, lo, hi, c, lam),
-        tuple(build_correction(x) for x in corrections or ()),
-        aggregation=aggregation,
-        rejected_in_denominator=rejected_in_denominator,
-        norm_len=norm_len,
-        band=(lo, hi),
     )

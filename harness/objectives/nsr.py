@@ -23,9 +23,7 @@ import torch
 from torch import Tensor
 
 from harness.base.batch import TokenBatch
-from harness.base.registry import register
 from harness.objectives.core import (
-    OBJECTIVES,
     PolicyObjective,
     Step,
     Term,
@@ -116,7 +114,6 @@ class NSR(PolicyObjective):
         self.generator.set_state(state["generator"])
 
 
-@register(OBJECTIVES, "nsr")
 def nsr(
     *,
     base: str = "ppo_clip",

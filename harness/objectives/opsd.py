@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from harness.base.batch import masked_mean
-from harness.base.registry import register
-from harness.objectives.core import OBJECTIVES, Objective, ObjectiveOutput
+from harness.objectives.core import Objective, ObjectiveOutput
 from harness.stats.repetition import copy_token_probs, exit_mass, exit_mass_split
 from harness.tasks import teacher_prompt
 
@@ -97,7 +96,6 @@ class OPSDForwardKL(Objective):
         )
 
 
-@register(OBJECTIVES, "opsd_fkl")
 def opsd_fkl(
     *, top_k: int | None = 128, temperature: float = 1.1, tau: float | None = 0.05
 ) -> OPSDForwardKL:

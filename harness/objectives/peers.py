@@ -24,9 +24,7 @@ import torch
 from torch import Tensor
 
 from harness.base.batch import TokenBatch, masked_mean
-from harness.base.registry import register
 from harness.objectives.core import (
-    OBJECTIVES,
     PolicyObjective,
     RatioCorrection,
     Step,
@@ -37,7 +35,7 @@ from harness.objectives.core import (
     clamp,
     log_ratio,
 )
-from harness.objectives.methods import CORRECTIONS, TVMask, clip_term
+from harness.objectives.methods import TVMask, clip_term
 
 PEER_EPS = 0.2  # the peers' default PPO ε, both sides
 Correction = Callable[[Tensor, TokenBatch], tuple[Tensor, Tensor]]
@@ -137,7 +135,6 @@ def rs_correction(
     return RatioCorrection(ratio, level, "mask", 1 / threshold, hi)
 
 
-@register(OBJECTIVES, "rollout_rs")
 def rollout_rs(
     *,
     estimator: str = "k1",
@@ -214,7 +211,6 @@ class OffPolicySeqMask:
         return torch.ones_like(kl), keep.to(kl)
 
 
-@register(OBJECTIVES, "trl_is")
 def trl_is(
     *,
     mode: str | None = "sequence_mask",
@@ -247,7 +243,6 @@ def trl_is(
     )
 
 
-@register(OBJECTIVES, "opsm")
 def opsm(
     *,
     delta: float = 1e-4,
@@ -304,7 +299,6 @@ SEQUENCE_MASKS = {"geometric": ("geometric", 0.99, 1.01), "product": ("sequence"
 TIS_CAPS = {"token": 2.0, "sequence": 5.0}  # token_ / sequence_tis_ratio_clip_high
 
 
-@register(OBJECTIVES, "geo_mask")
 def geo_mask(
     *,
     metric: str | None = "geometric",
@@ -379,7 +373,6 @@ class SoftGate(PolicyObjective):
         return Step(-sapo_gate(r, tau) * adv, *untouched(r))
 
 
-@register(OBJECTIVES, "sapo")
 def sapo(
     *,
     tau_pos: float = 1.0,
@@ -437,7 +430,6 @@ class GeoMeanClip(PolicyObjective):
         return Step(-adv * s.exp(), coef, keep, low, high, flip)
 
 
-@register(OBJECTIVES, "geo_mean")
 def geo_mean(
     *,
     eps_low: float = PEER_EPS,
@@ -457,7 +449,6 @@ def geo_mean(
     )
 
 
-@register(OBJECTIVES, "dppo_kl")
 def dppo_kl(
     *,
     ratio: str = "trust",
@@ -521,7 +512,6 @@ class ClipCov(PolicyObjective):
         self.generator.set_state(state["generator"])
 
 
-@register(OBJECTIVES, "clip_cov")
 def clip_cov(
     *,
     clip_cov_ratio: float = 2e-4,
@@ -573,7 +563,6 @@ class KLCov(PolicyObjective):
         return s._replace(base=s.base + self.coef * x.abs() * top.view_as(x))
 
 
-@register(OBJECTIVES, "kl_cov")
 def kl_cov(
     *,
     kl_cov_ratio: float = 2e-4,
@@ -593,7 +582,6 @@ def kl_cov(
     )
 
 
-@register(OBJECTIVES, "luspo")
 def luspo(
     *,
     eps_low: float = PEER_EPS,
@@ -653,7 +641,6 @@ class VESPO(PolicyObjective):
         return Step(-batch.advantages * logp, phi, keep, low, high, flip)
 
 
-@register(OBJECTIVES, "vespo")
 def vespo(
     *,
     k_pos: float = 2.0,
@@ -682,8 +669,3 @@ def vespo(
         rejected_in_denominator=rejected_in_denominator,
         norm_len=norm_len,
     )
-
-
-# the grid composes the peers' corrections too (harness.objectives.methods.build_correction);
-# verl's k1 rejection is kind ratio (treatment mask), DPPO Binary-KL kind tv (divergence kl)
-CORRECTIONS.update(rs=DivergenceMask, opsm=OffPolicySeqMask, outlier=OutlierTokenMask)

@@ -24,17 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 from harness.base import distributed
 from harness.base.io import RefusedRerun, write_text_atomic
 from harness.base.models import save_folder
-from harness.runs.launch import read_json, update_meta
+from harness.runs.launch import checkpoints, read_json, update_meta
 from harness.stats.diagnostics import collapse_guard
 
 if TYPE_CHECKING:
     from harness.rl.setup import Setup
-
-
-def checkpoints(run: Path) -> list[Path]:
-    """The run's regular checkpoints (files, or folders of a sharded run), newest first (abort
-    checkpoints and temp folders are not among them)."""
-    return sorted((run / "checkpoints").glob("step_*"), key=lambda p: -int(p.stem[5:]))
 
 
 def save_checkpoint(run: Path, step: int, state: dict, keep: int, aborted: bool = False) -> Path:

@@ -43,7 +43,7 @@ from harness.base.io import write_json_atomic, write_text_atomic
 from harness.objectives.core import Window
 from harness.rl.setup import build_setup, rollout_sampling, step_seed
 from harness.rl.step import collect, gather_batch, share_rows
-from harness.runs import config as _config  # noqa: F401  (registers train_schema)
+from harness.runs import config
 from harness.runs.validate import validate
 from harness.stats.diagnostics import FORK_P, fork_oob_share, out_of_band, out_of_band_frac
 
@@ -113,7 +113,7 @@ def run(cfg: DictConfig, validated: bool = False, ranks: Ranks = ONE) -> dict[st
     s.sampler.close()
     x, p_t, adv, mask = (torch.cat([p[k].flatten() for p in parts])[None] for k in range(4))
     out = check(x, p_t, adv, mask, window)
-    if s.teacher is not None:
+    if s.objective.needs_teacher:
         out |= opsd_check(s, cfg, seen, sampling.max_new_tokens)
     return {
         **out,
@@ -154,6 +154,7 @@ def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, flo
 
 
 CONFIGS = str(Path(__file__).resolve().parents[2] / "experiments")
+config.register()
 
 
 @hydra.main(config_path=CONFIGS, config_name="train", version_base="1.3")

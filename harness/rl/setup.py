@@ -27,10 +27,10 @@ from harness.base.models import (
 )
 from harness.base.registry import build
 from harness.noise import Fp8Trainer, build_noise
-from harness.objectives import build_objective
+from harness.objectives import Objective, run_objective
 from harness.rl.alpha import WeightHistory
 from harness.rl.step import Learner, StepOptions, adamw
-from harness.runs.validate import fsdp, noise_nodes, split_node, task_spec
+from harness.runs.access import fsdp, noise_nodes, split_node, task_spec
 from harness.sampling.engines import Engine
 from harness.sampling.rollout import Sampler, Sampling
 from harness.sampling.samplers import ENGINES
@@ -81,7 +81,7 @@ class Setup:
     old_policy: Engine | None  # π_old at the behaviour weights; None: the training pass is π_old
     sampler: Sampler  # μ: HF Engine, Ct2Engine or VllmEngine (harness.sampling.samplers)
     teacher: torch.nn.Module | None
-    objective: Any
+    objective: Objective
     opt: Any  # torch.optim.AdamW, or harness.rl.step.MasterAdamW for a bf16/fp16 trainer
     options: StepOptions  # the step's settings from the config
     history: WeightHistory
@@ -185,14 +185,10 @@ def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine,
     return policy, old_policy, sampler, teacher
 
 
-def build_train_objective(cfg: DictConfig) -> Any:
-    """The objective node's loss with the aggregation node's name and denominator convention
-    (opsd_fkl, a distillation loss, takes none)."""
+def build_train_objective(cfg: DictConfig) -> Objective:
+    """The objective node's loss, with the aggregation group where it takes one."""
     name, kw = split_node(cfg.objective)
-    if name != "opsd_fkl":
-        agg_name, agg_kw = split_node(cfg.aggregation)
-        kw.update(aggregation=agg_name, **agg_kw)
-    return build_objective(name, **kw)
+    return run_objective(name, kw, OmegaConf.to_container(cfg.aggregation, resolve=True))
 
 
 def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
@@ -225,7 +221,7 @@ def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
         options=step_options(cfg),
         history=history,
         identity=identity,
-        sigma0=[(n, n.sigma) for n in sampler.noise if hasattr(n, "sigma")],
+        sigma0=[(n, n.sigma) for n in sampler.noise if n.sigma is not None],
         ranks=ranks,
     )
     s.push_weights()
@@ -238,12 +234,14 @@ def step_seed(seed: int, step: int) -> int:
     return seed * 1_000_003 + step
 
 
-def token_budget(cfg: DictConfig, task: Task) -> int:
-    """rollout.max_new_tokens, else (null, the default) the task's own budget."""
+def token_budget(cfg: DictConfig, task: Task | None) -> int:
+    """rollout.max_new_tokens, else (null, the default) the task's own budget (harness.measure
+    has no task: its budget is always set)."""
     return cfg.rollout.max_new_tokens or task.max_new_tokens
 
 
-def rollout_sampling(cfg: DictConfig, task: Task) -> Sampling:
+def rollout_sampling(cfg: DictConfig, task: Task | None = None) -> Sampling:
+    """The `rollout` node as the samplers read it, the budget `token_budget`'s."""
     r = cfg.rollout
     return Sampling(
         n=r.group_size,

@@ -227,17 +227,11 @@ def run_name(override_dirname: str, axes: str = "") -> str:
     return ",".join([*kept, *seed]) + tail
 
 
-OmegaConf.register_new_resolver("run_name", run_name, replace=True)
-
-
 def hydra_record() -> str | None:
     """Where Hydra writes a job's record (`hydra.output_subdir`): ".hydra" on rank 0, nowhere on
     the other ranks of a torchrun job, which all compose the same config into the same folder
     (rank 0 keeps the run's record; two writers raced its move into `out=`)."""
     return ".hydra" if os.environ.get("RANK", "0") == "0" else None
-
-
-OmegaConf.register_new_resolver("hydra_record", hydra_record, replace=True)
 
 
 def objective_aggregation(objective: str) -> str:
@@ -257,8 +251,6 @@ def objective_aggregation(objective: str) -> str:
     param = inspect.signature(OBJECTIVES[objective]).parameters.get("aggregation")
     return "token-mean" if param is None else param.default  # opsd_fkl: no aggregation
 
-
-OmegaConf.register_new_resolver("objective_aggregation", objective_aggregation, replace=True)
 
 # The swept-axis nodes and the warm-start recipe are open: their keys are the builders' keyword
 # arguments (defaults in Python only), set as `objective.lo=0.5` without a `+`, and checked
@@ -287,4 +279,19 @@ def schema() -> DictConfig:
     return open_schema(TrainConfig, OPEN_NODES)
 
 
-ConfigStore.instance().store(name="train_schema", node=schema())
+RESOLVERS = {
+    "run_name": run_name,
+    "hydra_record": hydra_record,
+    "objective_aggregation": objective_aggregation,
+}
+
+
+def register() -> None:
+    """What Hydra needs before it composes a job's config: the resolvers the job configs read
+    (experiments/train.yaml, measure.yaml) and the structured schema train.yaml's defaults list
+    names (`train_schema`). The entry points call it (harness.train, harness.rl.mechanism,
+    harness.measure, analysis.runs); a spawned worker imports its entry point and so calls it
+    before it resolves its job's config."""
+    for name, fn in RESOLVERS.items():
+        OmegaConf.register_new_resolver(name, fn, replace=True)
+    ConfigStore.instance().store(name="train_schema", node=schema())

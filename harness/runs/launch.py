@@ -159,6 +159,17 @@ def adopt_hydra_record(run: Path, keep: bool = True) -> None:
         hydra_dir.rmdir()
 
 
+def checkpoint_step(path: Path) -> int:
+    """N of a checkpoint `step_N.pt` (a file) or `step_N` (a sharded run's folder)."""
+    return int(path.stem[len("step_") :])
+
+
+def checkpoints(run: Path) -> list[Path]:
+    """The run's regular checkpoints (files, or folders of a sharded run), newest first (abort
+    checkpoints and temp folders are not among them)."""
+    return sorted((run / "checkpoints").glob("step_*"), key=lambda p: -checkpoint_step(p))
+
+
 def stopped_line(run: Path) -> str:
     """One line for a run a person interrupted: its last logged step, its last checkpoint, and
     how to go on (rerunning the same command resumes from the checkpoint)."""
@@ -166,13 +177,13 @@ def stopped_line(run: Path) -> str:
         (run / "metrics.jsonl").read_text().split("\n") if (run / "metrics.jsonl").exists() else []
     )
     steps = [json.loads(ln)["step"] for ln in lines if ln.startswith("{") and ln.endswith("}")]
-    saved = [int(p.stem.rsplit("_", 1)[1]) for p in (run / "checkpoints").glob("step_*")]
+    saved = checkpoints(run)
     done = f"after step {steps[-1]}" if steps else "before its first step"
     if not saved:
         return f"[launch] interrupted {done} in {run}; no checkpoint yet: a rerun starts over"
     return (
         f"[launch] interrupted {done} in {run}; rerun the same command to resume from the "
-        f"checkpoint of step {max(saved)}"
+        f"checkpoint of step {checkpoint_step(saved[0])}"
     )
 
 

@@ -5,7 +5,8 @@ which `task=hf` reads in seconds). A bad value in one point then fails the sweep
 login node, naming the point, instead of queueing an array of GPU jobs that each fail.
 
 Installed as a Hydra callback by hydra/launcher=slurm (and slurm_gpu): `on_multirun_start`
-runs on the driver only, before the launcher calls sbatch.
+runs on the driver only, before the launcher calls sbatch. The local launcher
+(hydra_plugins/ratiolab_launcher) runs `check_points` on its jobs before it starts any.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from harness.base.registry import build
-from harness.runs.validate import task_spec, validate
+from harness.runs.access import task_spec
+from harness.runs.validate import validate
 from harness.tasks import TASKS
 
 
@@ -48,6 +50,24 @@ def check_point(config: DictConfig, overrides: list[str]) -> None:
     build(TASKS, name, "task", **kw)
 
 
+def check_points(config: DictConfig, points: list[list[str]], nothing: str) -> None:
+    """Every point of a `harness.train` sweep checked (`check_point`) before any is launched;
+    SystemExit naming the first bad point and that `nothing` (e.g. "was submitted") happened.
+    Sweeps of other entry points pass (harness.measure checks its own)."""
+    if config.hydra.job.config_name != "train":
+        return
+    for i, overrides in enumerate(points):
+        try:
+            check_point(config, overrides)
+        except Exception as e:  # noqa: BLE001 — any failure stops the whole sweep
+            # SystemExit: Hydra turns a callback's exceptions into warnings and goes on
+            raise SystemExit(
+                f"[presubmit] sweep point {i + 1} of {len(points)} ({' '.join(overrides)}): "
+                f"{type(e).__name__}: {e}. Nothing {nothing}."
+            ) from None
+    print(f"[presubmit] {len(points)} sweep points checked", flush=True)
+
+
 class PreSubmitCheck(Callback):
     """Every sweep point checked before submission (see the module docstring)."""
 
@@ -61,13 +81,4 @@ class PreSubmitCheck(Callback):
                 f"[presubmit] could not expand the sweep: {type(e).__name__}: {e}. "
                 "Nothing was submitted."
             ) from None
-        for i, overrides in enumerate(points):
-            try:
-                check_point(config, overrides)
-            except Exception as e:  # noqa: BLE001 — any failure stops the whole sweep
-                # SystemExit: Hydra turns a callback's exceptions into warnings and goes on
-                raise SystemExit(
-                    f"[presubmit] sweep point {i + 1} of {len(points)} ({' '.join(overrides)}): "
-                    f"{type(e).__name__}: {e}. Nothing was submitted."
-                ) from None
-        print(f"[presubmit] {len(points)} sweep points checked; submitting", flush=True)
+        check_points(config, points, "was submitted")

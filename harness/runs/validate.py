@@ -1,29 +1,29 @@
 """Every check a run makes before any compute, in one place: the config's values, the swept
 axes' nodes against their builders (names, kwargs, scalar types), the group-choice names, the
 pre-registration, the model spec and the checks a run across ranks adds. Each error names the
-key, the bad value and what is valid. `harness.train`, `harness.rl.mechanism`, `harness.measure`
-and the Slurm pre-submission check (`harness.runs.presubmit`) call these."""
+key, the bad value and what is valid. `validate` runs once per job: `harness.train` (through
+`run_task`), `harness.measure` (with its own keys' check), `harness.rl.mechanism` and
+`harness.rl.drift` on their own, and the Slurm pre-submission check (`harness.runs.presubmit`)
+on the driver for every sweep point."""
 
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.base import distributed
 from harness.base.batch import ADVANTAGES
 from harness.base.models import BUILTIN_SPECS, DTYPES, resolve_device
 from harness.base.registry import check_kwargs, lookup
+from harness.runs.access import GROUP_NODES, fsdp, group_option_name, noise_nodes, split_node
 from harness.runs.prereg import check_prereg
 from harness.runs.tracking import LOGGERS
 from harness.sampling.logprobs import check_sampling
 from harness.sampling.samplers import check_sampler
-
-REPO = Path(__file__).resolve().parents[2]
+from harness.tasks import TASKS
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
@@ -77,8 +77,6 @@ def check_nodes(cfg: DictConfig) -> None:
     each axis's name is its group file's (`check_group_names`)."""
     check_group_names(cfg)
     if "task" in cfg:
-        from harness.tasks import TASKS
-
         _check_node(TASKS, cfg.task, "task")
     noise = [cfg.get("noise"), *(cfg.get("extra_noise") or [])]
     if any(n is not None for n in noise):
@@ -94,27 +92,6 @@ def check_nodes(cfg: DictConfig) -> None:
             _check_node(OBJECTIVES, cfg.objective, "objective")
         if "aggregation" in cfg:
             check_aggregation(cfg.aggregation)
-
-
-GROUP_NODES = ("task", "noise", "objective", "aggregation")  # node {name, **kwargs} = group file
-
-CONFIGS = REPO / "experiments"
-
-
-def group_option_name(group: str, option: str) -> str | None:
-    """The `name` that option `option` of config group `group` sets: its file under
-    experiments/, else the node harness code stored in Hydra's ConfigStore (harness.measure's
-    fp8_block_w8a8); None for an option found in neither."""
-    from hydra.core.config_store import ConfigStore
-    from hydra.plugins.config_source import ConfigLoadError
-
-    path = CONFIGS / group / f"{option}.yaml"
-    if path.exists():
-        return OmegaConf.load(path).get("name")
-    try:
-        return ConfigStore.instance().load(f"{group}/{option}.yaml").node.get("name")
-    except ConfigLoadError:
-        return None
 
 
 def check_group_names(cfg: DictConfig) -> None:
@@ -162,64 +139,66 @@ def check_aggregation(node) -> None:
         check_kwargs(fn, {"norm_len": d["norm_len"]}, f"aggregation {d['name']!r}")
 
 
-def noise_nodes(cfg: DictConfig) -> list[dict[str, Any]]:
-    """μ's injected noise: the `noise` group's node, then the `extra_noise` list (stacked in
-    order); "none" nodes dropped."""
-    nodes = [OmegaConf.to_container(n, resolve=True) for n in [cfg.noise, *cfg.extra_noise]]
-    return [n for n in nodes if n["name"] != "none"]
-
-
-def split_node(node: Any) -> tuple[str, dict[str, Any]]:
-    d = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else dict(node)
-    if "name" not in d:
-        raise ValueError(f"config node {d} needs a `name` (the registry key)")
-    name = d.pop("name")
-    return name, d
-
-
-def task_spec(cfg: DictConfig) -> tuple[str, dict[str, Any], dict | None]:
-    """The task's registry name and kwargs (with model=task-model, the warm-start recipe's task
-    kwargs under the node's) and the recipe (None for other models)."""
-    from harness.tasks.warmstart import resolve_recipe
-
-    task_name, task_kw = split_node(cfg.task)
-    if cfg.model.spec != "task-model":
-        return task_name, task_kw, None
-    recipe = resolve_recipe(task_name, **OmegaConf.to_container(cfg.model.warmstart, resolve=True))
-    return task_name, {**recipe["task_kwargs"], **task_kw}, recipe
-
-
-def fsdp(cfg: DictConfig) -> bool:
-    """Whether the trainer is sharded: engine.fsdp, else (null) when the world has > 1 rank."""
-    if cfg.engine.fsdp is not None:
-        return bool(cfg.engine.fsdp)
-    return distributed.environment().world > 1
-
-
 ATTENTIONS = ("sdpa", "eager")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Every check that needs no model, run before anything is built or warm-started: each error
-    names the key, the bad value and what is valid."""
+def _bad(key: str, value: Any, valid: str) -> ValueError:
+    return ValueError(f"{key}={value!r}; valid: {valid}")
 
-    def bad(key: str, value: Any, valid: str) -> ValueError:
-        return ValueError(f"{key}={value!r}; valid: {valid}")
 
-    for key, value, valid in [
-        ("engine.logp_old_source", cfg.engine.logp_old_source, ("trainer", "sampler")),
-        ("engine.routing_replay_source", cfg.engine.routing_replay_source, ("sampler", "trainer")),
-        ("advantage", cfg.advantage, ADVANTAGES),
-        ("engine.sampler_attention", cfg.engine.sampler_attention, ATTENTIONS),
-        ("engine.sampler_dtype", cfg.engine.sampler_dtype, tuple(DTYPES)),
-        ("engine.trainer_dtype", cfg.engine.trainer_dtype, tuple(DTYPES)),
-        ("resume", cfg.resume, ("strict", "override")),
-        ("logger", cfg.logger, LOGGERS),
-    ]:
+def _check_choices(choices: list[tuple[str, Any, tuple]]) -> None:
+    for key, value, valid in choices:
         if value not in valid:
-            raise bad(key, value, ", ".join(map(repr, valid)))
-    r, a = cfg.rollout, cfg.alpha
+            raise _bad(key, value, ", ".join(map(repr, valid)))
+
+
+def validate(cfg: DictConfig, job: Callable[[DictConfig], None] | None = None) -> None:
+    """Every check that needs no model, run once per job before anything is built or
+    warm-started: the swept-axis nodes, the engine and rollout nodes every job shares, then the
+    job's own checks (`job`: harness.train's, `check_train`, unless another job names its own,
+    as harness.measure does). Each error names the key, the bad value and what is valid."""
+    check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
+    check_engine(cfg)
+    (job or check_train)(cfg)
+
+
+def check_engine(cfg: DictConfig) -> None:
+    """The `engine` and `rollout` nodes as every job that samples and scores reads them: the
+    precisions, attention path and replay source, the sampling settings, the micro-batch budget,
+    the device, and the sampler against μ's injected noise."""
+    eng, r = cfg.engine, cfg.rollout
+    _check_choices(
+        [
+            ("engine.logp_old_source", eng.logp_old_source, ("trainer", "sampler")),
+            ("engine.routing_replay_source", eng.routing_replay_source, ("sampler", "trainer")),
+            ("engine.sampler_attention", eng.sampler_attention, ATTENTIONS),
+            ("engine.sampler_dtype", eng.sampler_dtype, tuple(DTYPES)),
+            ("engine.trainer_dtype", eng.trainer_dtype, tuple(DTYPES)),
+        ]
+    )
     check_sampling(r.temperature, r.top_k, r.top_p, prefix="rollout.")
+    mb = eng.micro_batch_tokens
+    if mb is not None and mb < 1:
+        raise _bad(
+            "engine.micro_batch_tokens",
+            mb,
+            ">= 1 (prompt + response tokens per micro-batch), or null (each minibatch in one pass)",
+        )
+    resolve_device(eng.device)  # a CUDA device must exist here
+    check_sampler(eng, [n["name"] for n in noise_nodes(cfg)], r)
+
+
+def check_train(cfg: DictConfig) -> None:
+    """harness.train's own keys: the loop, the optimizer, the drivers, the pre-registration,
+    the model spec and what the objective needs of the rest of the config."""
+    _check_choices(
+        [
+            ("advantage", cfg.advantage, ADVANTAGES),
+            ("resume", cfg.resume, ("strict", "override")),
+            ("logger", cfg.logger, LOGGERS),
+        ]
+    )
+    r, a = cfg.rollout, cfg.alpha
     checks = [
         (
             "rollout.max_new_tokens",
@@ -261,12 +240,6 @@ def validate(cfg: DictConfig) -> None:
             cfg.mechanism_batches >= 0,
             ">= 0 (0: no mechanism check)",
         ),
-        (
-            "engine.micro_batch_tokens",
-            cfg.engine.micro_batch_tokens,
-            cfg.engine.micro_batch_tokens is None or cfg.engine.micro_batch_tokens >= 1,
-            ">= 1 (prompt + response tokens per micro-batch), or null (each minibatch in one pass)",
-        ),
         # a full-length response alone would exceed every micro-batch: the budget bounds nothing
         (
             "engine.micro_batch_tokens",
@@ -279,27 +252,23 @@ def validate(cfg: DictConfig) -> None:
     ]
     for key, value, ok, valid in checks:
         if not ok:
-            raise bad(key, value, valid)
-    resolve_device(cfg.engine.device)  # a CUDA device must exist here
-    check_nodes(cfg)  # the swept-axis nodes' names and kwargs against their builders
-    injected = [n["name"] for n in noise_nodes(cfg)]
-    check_sampler(cfg.engine, injected, cfg.rollout)
+            raise _bad(key, value, valid)
     if cfg.engine.sampler != "hf" and cfg.drivers.beta_growth != 1.0:
         why = "its β is the engine's own, not a σ that can grow"
-        raise bad(
+        raise _bad(
             "drivers.beta_growth",
             cfg.drivers.beta_growth,
             f"1.0 with engine.sampler={cfg.engine.sampler} ({why})",
         )
     if cfg.drivers.harder_at:  # the harder task's kwargs against the task's builder
         if not cfg.drivers.harder:
-            raise bad(
+            raise _bad(
                 "drivers.harder",
                 {},
                 "the task kwargs that make it harder, e.g. "
                 "{max_number: 20}, when drivers.harder_at > 0",
             )
-        check_nodes(OmegaConf.create({"task": {**cfg.task, **cfg.drivers.harder}}))
+        _check_node(TASKS, OmegaConf.merge(cfg.task, cfg.drivers.harder), "task")
     check_prereg(OmegaConf.to_container(cfg.prereg, resolve=True))  # the preset's endpoints
     spec = cfg.model.spec
     if spec == "task-model":
@@ -309,74 +278,80 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(task_model_mismatch(cfg.task, tuple(RECIPES)))
         resolve_recipe(cfg.task.name, **OmegaConf.to_container(cfg.model.warmstart, resolve=True))
     elif spec not in BUILTIN_SPECS and not Path(spec).is_dir() and "/" not in spec:
-        raise bad(
+        raise _bad(
             "model.spec",
             spec,
             f"task-model, {', '.join(BUILTIN_SPECS)}, a local HF folder "
             "or a Hugging Face hub id (org/name)",
         )
     elif Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
-        raise bad(
+        raise _bad(
             "model.spec",
             spec,
             "a Hugging Face model folder (it has no config.json; "
             "`python -m harness.base.models export <spec> <folder>` writes one)",
         )
-    obj = cfg.objective.name
     misplaced = sorted({"aggregation", *AGGREGATION_KEYS} & set(cfg.objective))
     if misplaced:
         raise ValueError(
             f"objective.{misplaced[0]} is the aggregation group's: set aggregation=<name> and "
             f"aggregation.{'|'.join(AGGREGATION_KEYS)}=<value> instead"
         )
-    if cfg.distill.enabled != (obj == "opsd_fkl"):
-        raise ValueError(
-            "distill.enabled=true needs objective=opsd_fkl, and opsd_fkl needs distill.enabled"
-        )
     if cfg.engine.trainer_fp8 and cfg.noise.name != "fp8":
         raise ValueError(
             f"engine.trainer_fp8=true runs the trainer in the sampler's FP8 recipe, but "
             f"noise={cfg.noise.name!r}; valid: noise=fp8 (or engine.trainer_fp8=false)"
         )
-    if obj == "calibrated_clip":
-        check_calibration(cfg)
+    check_objective(cfg)
 
 
-def check_calibration(cfg: DictConfig) -> None:
-    """Calibrated clipping can calibrate: its two ratios differ, π_θ has moved where it
-    calibrates (the last minibatch), and the run gets ≥ 3 calibrations (a warning below the
-    ≥ 10 the default cadence gives: with EMA 0.9, 3 move [L, H] 27% of the way to its target)."""
-    from harness.objectives.calibrated import calibration_every, calibrations
+def check_objective(cfg: DictConfig) -> None:
+    """What the objective declares it needs of the run (harness.objectives.core.Objective): a
+    teacher exactly when it distils, the aggregation group only where it aggregates, a shadow
+    pass that can tell the two precisions apart when it calibrates, and a run long enough."""
+    from harness.objectives import run_objective
 
+    name, kw = split_node(cfg.objective)
+    aggregation = OmegaConf.to_container(cfg.aggregation, resolve=True)
+    obj = run_objective(name, kw, aggregation)
+    if cfg.distill.enabled != obj.needs_teacher:
+        want = str(obj.needs_teacher).lower()
+        if obj.needs_teacher:
+            why = f"distils from a teacher (inputs={obj.inputs!r}); valid: distill.enabled={want}"
+        else:
+            why = (
+                f"has no use for a teacher (inputs={obj.inputs!r}); valid: distill.enabled="
+                f"{want}, or a distillation objective (inputs='logits', e.g. opsd_fkl)"
+            )
+        raise ValueError(
+            f"distill.enabled={str(cfg.distill.enabled).lower()} with objective={name}, which {why}"
+        )
+    if not obj.aggregated and aggregation != {"name": "token-mean"}:
+        raise ValueError(
+            f"aggregation={aggregation} with objective={name}, which reduces its own loss "
+            "(aggregated=False); valid: the default token-mean"
+        )
+    if obj.calibrations(cfg.steps):
+        check_shadow_pass(cfg, name)
+    obj.check(cfg.steps)
+
+
+def check_shadow_pass(cfg: DictConfig, name: str) -> None:
+    """An objective that calibrates on a high-precision shadow pass can calibrate: its two
+    ratios differ, and π_θ has moved where it calibrates (the last minibatch)."""
     a = cfg.alpha
     if cfg.engine.logp_old_source == "trainer" and not cfg.engine.trainer_fp8:
         raise ValueError(
-            "objective=calibrated_clip calibrates the low-precision π_old against the trainer's "
+            f"objective={name} calibrates the low-precision π_old against the trainer's "
             "high-precision recompute, but engine.logp_old_source='trainer' makes them the same "
-            "tensor (the clip would silently equal ppo_clip); set engine.logp_old_source=sampler "
-            "or engine.trainer_fp8=true (the full FP8 pipeline)"
+            "tensor (the calibration would see no difference); set engine.logp_old_source="
+            "sampler or engine.trainer_fp8=true (the full FP8 pipeline)"
         )
     if a.minibatches == 1 and a.staleness == 0:
         raise ValueError(
-            "objective=calibrated_clip with alpha.minibatches=1 and alpha.staleness=0: π_θ = "
+            f"objective={name} with alpha.minibatches=1 and alpha.staleness=0: π_θ = "
             "π_old on every minibatch it could calibrate on, so the high-precision ratio is "
             "identically 1 and α_low ≡ 0; valid: alpha.minibatches ≥ 2 or alpha.staleness ≥ 1"
-        )
-    every, steps = cfg.objective.get("every"), cfg.steps
-    n = calibrations(steps, every)
-    if n < min(3, steps):  # a run shorter than 3 steps calibrates every step at best
-        raise ValueError(
-            f"objective.every={every!r} gives {n} calibration(s) in steps={steps}; valid: every "
-            f"≤ {max(1, (steps - 1) // 2)} (≥ 3 calibrations), or null (every "
-            f"{calibration_every(steps)} here: {calibrations(steps)} calibrations)"
-        )
-    if n < min(10, steps):
-        ema = cfg.objective.get("ema", 0.9)
-        print(
-            f"[train] warning: objective.every={every} gives {n} calibrations in steps={steps}; "
-            f"with EMA {ema} the window moves {1 - ema**n:.0%} of the way to its target",
-            file=sys.stderr,
-            flush=True,
         )
 
 

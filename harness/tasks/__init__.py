@@ -15,7 +15,18 @@ Countdown answers are parsed by a small recursive-descent parser over integers, 
 parentheses with exact `Fraction` arithmetic; nothing is ever passed to `eval`.
 """
 
-from harness.tasks import arithmetic, countdown, hf, word_problems  # noqa: F401  (fill TASKS)
-from harness.tasks.base import TASKS, TEACHER_PROMPT, Problem, Task, teacher_prompt
+from collections.abc import Callable
+
+from harness.tasks import arithmetic, countdown, hf, word_problems
+from harness.tasks.base import TEACHER_PROMPT, Problem, Task, teacher_prompt
+
+# name -> builder, from the modules that define them; a plugin adds its own with
+# `harness.base.registry.register(TASKS, name)`
+TASKS: dict[str, Callable[..., Task]] = {
+    "arithmetic": arithmetic.arithmetic,
+    "countdown": countdown.countdown,
+    "hf": hf.hf,
+    "word_problems": word_problems.word_problems,
+}
 
 __all__ = ["TASKS", "TEACHER_PROMPT", "Problem", "Task", "teacher_prompt"]

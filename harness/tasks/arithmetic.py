@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import random
 
-from harness.base.registry import register
-from harness.tasks.base import TASKS, Problem, ProceduralTask
+from harness.tasks.base import Problem, ProceduralTask
 
 
 def place_parts(b: int) -> list[int]:
@@ -60,7 +59,6 @@ class ArithmeticTask(ProceduralTask):
         return float(response.rsplit("=", 1)[1].strip() == problem.answer)
 
 
-@register(TASKS, "arithmetic")
 def arithmetic(*, digits: int = 2, ops: str = "+-*", eval_frac: float = 0.1) -> ArithmeticTask:
     """Multi-digit arithmetic `a op b=` with a place-value solver trace."""
     return ArithmeticTask(digits, ops, eval_frac)

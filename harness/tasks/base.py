@@ -1,17 +1,14 @@
 """The task interface: a `Problem`, the deterministic train/eval split, `Task` and the
-procedural tasks' base class, the `TASKS` registry, and the OPSD teacher's prompt."""
+procedural tasks' base class and the OPSD teacher's prompt (the `TASKS` registry is the
+package's, harness.tasks)."""
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-
-TASKS: dict[str, Callable] = {}
-
 
 SPLITS = ("train", "eval")
 

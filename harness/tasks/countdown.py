@@ -9,8 +9,7 @@ import re
 from collections import Counter
 from fractions import Fraction
 
-from harness.base.registry import register
-from harness.tasks.base import TASKS, Problem, ProceduralTask
+from harness.tasks.base import Problem, ProceduralTask
 
 
 class ExprError(ValueError):
@@ -156,7 +155,6 @@ class CountdownTask(ProceduralTask):
         return countdown_reward(problem.info["numbers"], int(problem.answer), response)
 
 
-@register(TASKS, "countdown")
 def countdown(
     *,
     n_numbers: int = 3,

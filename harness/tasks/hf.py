@@ -10,8 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from harness.base.registry import register
-from harness.tasks.base import TASKS, Problem, Task, check_split, in_chat, split_rng
+from harness.tasks.base import Problem, Task, check_split, in_chat, split_rng
 from harness.tasks.graders import (
     GRADERS,
     extract_answer,
@@ -210,7 +209,6 @@ class DatasetTask(Task):
         return float(got is not None and normalize_answer(got) == normalize_answer(problem.answer))
 
 
-@register(TASKS, "hf")
 def hf(
     *,
     path: str,

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import random
 
-from harness.base.registry import register
-from harness.tasks.base import TASKS, Problem, ProceduralTask, in_chat
+from harness.tasks.base import Problem, ProceduralTask, in_chat
 from harness.tasks.graders import math_verify_reward
 from harness.tasks.hf import DatasetTask
 
@@ -91,7 +90,6 @@ class WordProblemTask(ProceduralTask):
         return math_verify_reward(problem.answer, response)
 
 
-@register(TASKS, "word_problems")
 def word_problems(
     *,
     steps: int = 1,

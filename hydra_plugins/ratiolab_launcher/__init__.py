@@ -4,8 +4,10 @@ Hydra's basic launcher runs a sweep's jobs one after another in the driver; this
 in `n_jobs` spawned worker processes (default: every core this process may use), each with
 `threads` intra-op threads (default 1: OMP_NUM_THREADS in the worker, torch.set_num_threads in
 the job). benchmarks/bench_sweep.py measures it against one run at a time on every core (README →
-Performance). A job that raises fails the sweep as with the basic launcher, after the sweep's
-other jobs have run.
+Performance). Every job is checked before any starts, as a Slurm sweep is before sbatch
+(harness.runs.presubmit.check_points): a bad value in the last point fails the sweep in seconds,
+naming it, with no run begun. A job that raises later fails the sweep as with the basic
+launcher, after the sweep's other jobs have run.
 
     python -m harness.train -m seed=0,1,2,3                         # 2 at a time on 2 cores
     python -m harness.train -m seed=0,1 hydra.launcher.n_jobs=1 hydra.launcher.threads=2
@@ -26,6 +28,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, open_dict
+
+from harness.runs.presubmit import check_points
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,7 @@ class LocalLauncher(Launcher):
         if not job_overrides:
             return []
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        check_points(self.config, [list(o) for o in job_overrides], "was launched")
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         n = min(self.n_jobs, len(job_overrides))
         log.info(f"Launching {len(job_overrides)} jobs, {n} at a time × {self.threads} thread(s)")
