@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks.common import INSTRUCTION, command, parse_args, summary, write_json
 from harness.base.models import load_model
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 from harness.tasks.arithmetic import arithmetic
 
 
@@ -50,7 +51,7 @@ def main() -> None:
     eng = Engine(model, tok)
     task = arithmetic(digits=2, ops="+-")
     prompts = [INSTRUCTION + p.prompt for p in task.sample(8, "train", 0)]
-    ro = eng.generate(prompts, n=4, max_new_tokens=32, seed=0)
+    ro = eng.generate(prompts, Sampling(n=4, max_new_tokens=32), seed=0)
     rows = torch.arange(ro.response_ids.shape[0])
     model.train()
 

@@ -253,7 +253,7 @@ def run_point(
     import torch
 
     from harness.objectives import build_objective
-    from harness.rl.step import adamw, update
+    from harness.rl.step import Learner, StepOptions, adamw, update
     from harness.sampling.engines import Engine
 
     device = next(model.parameters()).device
@@ -266,15 +266,16 @@ def run_point(
             "ppo_clip", eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation="token-mean"
         )
         opt = adamw(model, lr=LR, betas=(0.9, 0.99))
+        learner, options = Learner(policy=policy, opt=opt), StepOptions(grad_clip=CLIP)
         ro, batch = synthetic_rollout(1, 4, min(prompt, 4), vocab, device, seed=1)
-        update(policy, objective, batch, ro, [(torch.arange(1), 0)], opt, CLIP)  # warm-up
+        update(learner, objective, batch, ro, [(torch.arange(1), 0)], options)  # warm-up
         opt.zero_grad(set_to_none=True)
         ro, batch = synthetic_rollout(rows, tokens, prompt, vocab, device)
         parts = len(policy.micro_batches(ro, torch.arange(rows, device=device)))
         base = probe.start()
         t0 = time.perf_counter()
         _, metrics, skipped = update(
-            policy, objective, batch, ro, [(torch.arange(rows), 0)], opt, CLIP
+            learner, objective, batch, ro, [(torch.arange(rows), 0)], options
         )
         peak = probe.peak()
         seconds = time.perf_counter() - t0

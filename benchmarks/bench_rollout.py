@@ -23,6 +23,7 @@ from harness.base.models import load_model
 from harness.base.registry import build
 from harness.noise import build_noise
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 from harness.tasks import TASKS
 
 
@@ -43,7 +44,7 @@ def main() -> None:
     def run(path: str, r: int) -> float:
         eng._can_share_prefix = paths[path]
         t = time.perf_counter()
-        eng.generate(prompts, n=4, max_new_tokens=48, temperature=0.5, seed=r)
+        eng.generate(prompts, Sampling(n=4, max_new_tokens=48, temperature=0.5), seed=r)
         return time.perf_counter() - t
 
     run("shared prefill", -1)  # warm-up
@@ -52,7 +53,9 @@ def main() -> None:
         outs = []
         for path in paths:
             eng._can_share_prefix = paths[path]
-            outs.append(eng.generate(prompts, n=4, max_new_tokens=48, temperature=0.5, seed=r))
+            outs.append(
+                eng.generate(prompts, Sampling(n=4, max_new_tokens=48, temperature=0.5), seed=r)
+            )
         same.append(torch.equal(outs[0].response_ids, outs[1].response_ids))
     eng.close()
     ratio = spread(ratios(times["shared prefill"], times["per-row prefill"]))

@@ -60,7 +60,7 @@ from benchmarks.common import (
 )
 from harness.base.models import DTYPES
 from harness.rl.alpha import WeightHistory
-from harness.rl.setup import Setup, build_engines, build_train_objective
+from harness.rl.setup import Setup, build_engines, build_train_objective, step_options
 from harness.rl.step import adamw
 from harness.runs.config import schema
 from harness.stats.diagnostics import collapse_guard
@@ -156,11 +156,12 @@ class RatiolabStep:
             teacher=None,
             objective=build_train_objective(cfg),
             opt=adamw(model, lr=LR, betas=(cfg.optim.beta1, cfg.optim.beta2)),
+            options=step_options(cfg),
             history=WeightHistory(0),
             identity={},
             sigma0=[],
         )
-        self.s.history.push(self.s.trainer)
+        self.s.push_weights()
 
     def __call__(self, problems, seed: int, variant: str) -> dict[str, float]:
         """One step on `problems` (π_old: the training pass for `loop`, its own pass for

@@ -38,7 +38,7 @@ class HFGenerate:
         self.model, self.tok = model, tok
 
     @torch.no_grad()
-    def generate(self, prompts, n, max_new_tokens, seed):
+    def generate(self, prompts, sampling, seed):
         ids, attn = encode_prompts(self.tok, prompts)
         torch.manual_seed(seed)
         out = self.model.generate(
@@ -48,8 +48,8 @@ class HFGenerate:
             temperature=1.0,
             top_k=0,
             top_p=1.0,
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=n,
+            max_new_tokens=sampling.max_new_tokens,
+            num_return_sequences=sampling.n,
             pad_token_id=self.tok.pad_token_id,
         )
         return int((out[:, ids.shape[1] :] != self.tok.pad_token_id).sum())

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from harness.base.io import write_text_atomic
+from harness.sampling.rollout import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,7 +144,7 @@ def summary(xs: Sequence[float]) -> dict[str, float]:
 def timed_rollout(engine, prompts, n, max_new, seed) -> tuple[float, int]:
     """Seconds for one rollout and its response tokens (an engine may return the count itself)."""
     t = time.perf_counter()
-    ro = engine.generate(prompts, n=n, max_new_tokens=max_new, seed=seed)
+    ro = engine.generate(prompts, Sampling(n=n, max_new_tokens=max_new), seed=seed)
     tokens = ro if isinstance(ro, int) else int(ro.response_mask.sum())
     return time.perf_counter() - t, tokens
 

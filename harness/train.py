@@ -47,7 +47,7 @@ from harness.noise.fp8 import ShadowPass, high_precision
 from harness.objectives.opsd import teacher_inputs
 from harness.rl import checkpoint, mechanism
 from harness.rl.alpha import minibatch_schedule
-from harness.rl.setup import Setup, build_setup, r2, rollout_sampling, step_seed, token_budget
+from harness.rl.setup import Setup, build_setup, rollout_sampling, step_seed, token_budget
 from harness.rl.step import collect, evaluate, gather_batch, share_rows, update, update_distill
 from harness.runs import config, fingerprint, plugins
 from harness.runs.access import fsdp
@@ -107,16 +107,17 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
     problems = task.sample(cfg.rollout.prompts_per_step, "train", seed)
     own, batch_rows = share_rows(s.ranks, len(problems), cfg.rollout.group_size)
     problems = problems[own]  # this rank's groups
+    prompts = [p.prompt for p in problems]
+    reward = partial(task.rollout_rewards, problems, tokenizer=s.tok)
     refresh = snr_refresh(s, cfg, task, step) if s.objective.refresh_due(step) else {}
     # 1–3: μ samples; rewards and advantages; π_old (collect)
     t0 = time.time()
     try:
+        sampling = rollout_sampling(cfg, task)
+        old = s.old_scorer()  # π_old's engine, loaded with the behaviour weights
         local, ro, rewards = collect(
-            s.sampler, s.old_scorer(), [p.prompt for p in problems],
-            partial(task.rollout_rewards, problems, tokenizer=s.tok), rollout_sampling(cfg, task),
-            seed=seed, advantage=cfg.advantage, logp_old_source=cfg.engine.logp_old_source,
-            mask_replay=cfg.engine.mask_replay, own_routes=r2(cfg), batch_rows=batch_rows,
-        )  # fmt: skip
+            s.sampler, old, prompts, reward, sampling, s.options, seed=seed, batch_rows=batch_rows
+        )
     except FloatingPointError as e:
         raise TrainingAborted(
             f"step {step}: {e}. The weights diverged (finite but huge) after step {step - 1}; "
@@ -124,32 +125,32 @@ def train_step(s: Setup, cfg: DictConfig, step: int, guard: dict) -> tuple[dict,
         ) from e
     t1 = time.time()
     if step == 1 and s.ranks.rank == 0:  # what pairs by seed must share (analysis.claims)
-        fingerprint.record_batch(cfg.out, [p.prompt for p in problems], ro)
+        fingerprint.record_batch(cfg.out, prompts, ro)
     batch = gather_batch(local) if s.ranks.world > 1 else local
     rewards = distributed.gather_rows(rewards) if s.ranks.world > 1 else rewards
     # 4: the minibatch updates (schedule: each minibatch's rows and lag)
     schedule = minibatch_schedule(len(rewards), cfg.alpha.minibatches, cfg.alpha.staleness, step)
-    # after each optimizer step the weight history's push; after a non-finite one a roll-back
-    hooks = dict(
-        on_step=lambda: s.history.push(s.trainer), restore=partial(checkpoint.roll_back, s)
-    )
+    learner = s.learner(restore=partial(checkpoint.roll_back, s))
     reps = repetition_reports(ro.response_ids, ro.response_mask)
     if s.objective.needs_teacher:
-        t_ids, t_mask, exit_metrics = teacher_inputs(
-            s.policy, problems, cfg.distill.teacher_prompt, cfg.rollout.group_size, reps
+        teacher, exit_metrics = teacher_inputs(
+            s.policy, s.teacher, problems, cfg.distill.teacher_prompt, cfg.rollout.group_size, reps
         )
         updates, skipped = update_distill(
-            s.policy, s.teacher, s.objective, local, ro, schedule, s.opt, cfg.optim.grad_clip,
-            t_ids, t_mask, exit_metrics, ranks=s.ranks, **hooks,
-        )  # fmt: skip
+            learner, teacher, s.objective, ro, schedule, s.options, exit_metrics
+        )
     else:
         shadow = ShadowPass(s.policy, s.old_policy, ro, cfg.engine.mask_replay)
         batch, updates, skipped = update(
-            s.policy, s.objective, batch, ro, schedule, s.opt, cfg.optim.grad_clip,
-            mask_replay=cfg.engine.mask_replay, logp_old_source=cfg.engine.logp_old_source,
-            calibrate=s.objective.calibration_due(step, cfg.steps), ranks=s.ranks,
-            shadow=shadow if cfg.engine.trainer_fp8 else None, **hooks,
-        )  # fmt: skip
+            learner,
+            s.objective,
+            batch,
+            ro,
+            schedule,
+            s.options,
+            calibrate=s.objective.calibration_due(step, cfg.steps),
+            shadow=shadow if cfg.engine.trainer_fp8 else None,
+        )
     # 5: μ syncs to the behaviour weights (k steps old under staleness)
     t2 = time.time()
     s.sampler.load_weights_from_state(s.history.behaviour())
@@ -197,17 +198,8 @@ def snr_refresh(s: Setup, cfg: DictConfig, task: Task, step: int) -> dict[str, f
     problems = task.sample(cfg.rollout.prompts_per_step, "train", seed)
     s.sampler.load_weights_from_state(s.history.newest())
     reward = partial(task.rollout_rewards, problems, tokenizer=s.tok)
-    batch, _, _ = collect(
-        s.sampler,
-        s.policy,
-        [p.prompt for p in problems],
-        reward,
-        rollout_sampling(cfg, task),
-        seed=seed,
-        advantage=cfg.advantage,
-        mask_replay=cfg.engine.mask_replay,
-        own_routes=r2(cfg),
-    )
+    prompts, sampling = [p.prompt for p in problems], rollout_sampling(cfg, task)
+    batch, _, _ = collect(s.sampler, s.policy, prompts, reward, sampling, s.options, seed=seed)
     s.sampler.load_weights_from_state(s.history.behaviour())
     m = batch.mask.bool()
     return s.objective.refresh(batch.log_rho[m], batch.p_t[m]) | {"snr/refresh_s": time.time() - t0}

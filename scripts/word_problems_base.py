@@ -15,6 +15,7 @@ import torch
 from harness.base.models import load_model
 from harness.base.registry import build
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 from harness.tasks import TASKS
 
 STR_KWARGS = ("ops", "instruction")
@@ -46,10 +47,7 @@ def main(argv: list[str]) -> None:
         t0 = time.time()
         ro = engine.generate(
             [p.prompt for p in problems],
-            n=1,
-            max_new_tokens=budget,
-            temperature=temperature,
-            top_k=top_k,
+            Sampling(n=1, max_new_tokens=budget, temperature=temperature, top_k=top_k),
             seed=0,
         )
         r, length, trunc = stats(task, problems, ro, engine, budget)

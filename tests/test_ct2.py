@@ -20,6 +20,7 @@ from test_engines import _sharpened, assert_faithful_law
 from harness.base.models import weights_sha
 from harness.sampling.ct2 import Ct2Engine, convert, require_ct2
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def test_float32_engine_scores_and_samples_what_the_hf_trainer_computes(tiny_lla
     model, tok = tiny_llama
     eng = Ct2Engine(copy.deepcopy(model), tok, compute_type="float32")
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
-    ro = eng.generate(prompts, n=3, max_new_tokens=8, seed=3)
+    ro = eng.generate(prompts, Sampling(n=3, max_new_tokens=8), seed=3)
     hf = Engine(model, tok).logp(ro, stats=False)["logp"]
     m = ro.response_mask.bool()
     assert m.sum() > 20
@@ -57,11 +58,7 @@ def test_logp_mu_is_faithful_chi_square(tiny_llama, ct2_cache, temperature, top_
     eng = Ct2Engine(copy.deepcopy(model), tok)
     ro = eng.generate(
         [[5, 6, 7]],
-        n=6000,
-        max_new_tokens=1,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
+        Sampling(n=6000, max_new_tokens=1, temperature=temperature, top_p=top_p, top_k=top_k),
         seed=1,
     )
     # the kept support is recorded under any truncation, for mask replay
@@ -76,13 +73,13 @@ def test_int8_is_a_real_second_engine(tiny_llama, ct2_cache):
     `int8_float32` are one computation on CPU."""
     model, tok = tiny_llama
     ro = Ct2Engine(copy.deepcopy(model), tok, compute_type="int8").generate(
-        [[5, 6, 7]], n=16, max_new_tokens=8, seed=0
+        [[5, 6, 7]], Sampling(n=16, max_new_tokens=8), seed=0
     )
     m = ro.response_mask.bool()
     beta = (Engine(model, tok).logp(ro, stats=False)["logp"] - ro.logp_mu)[m].abs().mean()
     assert 1e-4 < float(beta) < 0.2
     same = Ct2Engine(copy.deepcopy(model), tok, compute_type="int8_float32").generate(
-        [[5, 6, 7]], n=16, max_new_tokens=8, seed=0
+        [[5, 6, 7]], Sampling(n=16, max_new_tokens=8), seed=0
     )
     assert torch.equal(same.response_ids, ro.response_ids) and torch.equal(same.logp_mu, ro.logp_mu)
 
@@ -90,8 +87,8 @@ def test_int8_is_a_real_second_engine(tiny_llama, ct2_cache):
 def test_sampling_is_seeded(tiny_llama, ct2_cache):
     model, tok = tiny_llama
     eng = Ct2Engine(copy.deepcopy(model), tok)
-    a, b = (eng.generate([[5, 6, 7]], n=8, max_new_tokens=6, seed=s) for s in (4, 4))
-    c = eng.generate([[5, 6, 7]], n=8, max_new_tokens=6, seed=5)
+    a, b = (eng.generate([[5, 6, 7]], Sampling(n=8, max_new_tokens=6), seed=s) for s in (4, 4))
+    c = eng.generate([[5, 6, 7]], Sampling(n=8, max_new_tokens=6), seed=5)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp_mu, b.logp_mu)
     assert not torch.equal(a.response_ids, c.response_ids)
 
@@ -108,7 +105,7 @@ def test_weight_sync_reconverts_and_keeps_one_folder(tiny_llama, ct2_cache):
         moved.lm_head.weight.mul_(3.0)
     eng.load_weights_from_state(moved.state_dict())
     assert eng.path.name == weights_sha(moved) and len(eng.sync_s) == 2
-    ro = eng.generate([[5, 6, 7]], n=4, max_new_tokens=5, seed=0)
+    ro = eng.generate([[5, 6, 7]], Sampling(n=4, max_new_tokens=5), seed=0)
     m = ro.response_mask.bool()
     assert (Engine(moved, tok).logp(ro, stats=False)["logp"] - ro.logp_mu)[m].abs().max() < 1e-5
     again = copy.deepcopy(model)

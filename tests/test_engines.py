@@ -7,6 +7,7 @@ import torch
 
 from harness.sampling.engines import Engine
 from harness.sampling.logprobs import process_logits
+from harness.sampling.rollout import Sampling
 
 
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -41,11 +42,7 @@ def test_logp_mu_is_faithful_chi_square(tiny_llama, temperature, top_p, top_k):
     n = 6000
     ro = eng.generate(
         [[5, 6, 7]],
-        n=n,
-        max_new_tokens=1,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
+        Sampling(n=n, max_new_tokens=1, temperature=temperature, top_p=top_p, top_k=top_k),
         seed=1,
     )
     law = assert_faithful_law(model, ro, temperature, top_p, top_k, atol=1e-6)
@@ -80,7 +77,9 @@ def test_identical_numerics_reproduce_trainer_logprobs(tiny_llama, device):
     model, tok = tiny_llama
     model.to(device)
     eng = Engine(model, tok, chunk=7)
-    ro = eng.generate(["12+3=", "hello wo", "x"], n=3, max_new_tokens=12, temperature=0.9, seed=3)
+    ro = eng.generate(
+        ["12+3=", "hello wo", "x"], Sampling(n=3, max_new_tokens=12, temperature=0.9), seed=3
+    )
     sc = eng.logp(ro)
     m = ro.response_mask.bool()
     assert ro.logp_mu.device.type == sc["logp"].device.type == device.type
@@ -92,7 +91,7 @@ def test_mask_replay_reproduces_truncated_logprobs(tiny_llama, device):
     model, tok = _sharpened(tiny_llama)
     model.to(device)
     eng = Engine(model, tok)
-    ro = eng.generate(["abc", "1+1="], n=4, max_new_tokens=8, top_p=0.7, top_k=20, seed=0)
+    ro = eng.generate(["abc", "1+1="], Sampling(n=4, max_new_tokens=8, top_p=0.7, top_k=20), seed=0)
     assert ro.support is not None and ro.support.shape[:2] == ro.response_ids.shape
     m = ro.response_mask.bool()
     replay = eng.logp(ro, mask_replay=True)
@@ -106,9 +105,9 @@ def test_mask_replay_reproduces_truncated_logprobs(tiny_llama, device):
 def test_kv_cache_equals_full_recompute(tiny_llama, device):
     model, tok = tiny_llama
     model.to(device)
-    kw = dict(n=2, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=5)
-    a = Engine(model, tok, kv_cache=True).generate(["ab", "hello there"], **kw)
-    b = Engine(model, tok, kv_cache=False).generate(["ab", "hello there"], **kw)
+    law = Sampling(n=2, max_new_tokens=10, temperature=1.0, top_p=0.95)
+    a = Engine(model, tok, kv_cache=True).generate(["ab", "hello there"], law, seed=5)
+    b = Engine(model, tok, kv_cache=False).generate(["ab", "hello there"], law, seed=5)
     assert torch.equal(a.response_ids, b.response_ids)
     assert (a.logp_mu - b.logp_mu).abs().max() <= 1e-5
 
@@ -116,7 +115,7 @@ def test_kv_cache_equals_full_recompute(tiny_llama, device):
 def test_left_padding_does_not_change_logprobs(tiny_llama):
     model, tok = tiny_llama
     eng = Engine(model, tok)
-    ro = eng.generate(["hi", "a much longer prompt"], n=1, max_new_tokens=6, seed=2)
+    ro = eng.generate(["hi", "a much longer prompt"], Sampling(n=1, max_new_tokens=6), seed=2)
     # row 0 was sampled behind 18 left pads; re-score it alone, unpadded
     ids = torch.cat([torch.tensor(tok("hi").input_ids), ro.response_ids[0]])[None]
     sc = eng.score(ids, torch.ones_like(ids), n_prompt=2)
@@ -127,7 +126,7 @@ def test_left_padding_does_not_change_logprobs(tiny_llama):
 def test_eos_ends_response_and_masks_the_rest(tiny_llama, top_k):
     model, tok = tiny_llama  # near-uniform over 99 tokens: EOS ends ~45% of rows within 60 steps
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    ro = Engine(model, tok).generate(["x"], n=64, max_new_tokens=60, seed=0, top_k=top_k)
+    ro = Engine(model, tok).generate(["x"], Sampling(n=64, max_new_tokens=60, top_k=top_k), seed=0)
     lengths = ro.response_mask.sum(1).long()
     finished = ro.response_ids[torch.arange(64), lengths - 1] == eos
     assert 0 < int(finished.sum()) < 64
@@ -145,11 +144,11 @@ def test_bad_input(tiny_llama):
     model, tok = tiny_llama
     eng = Engine(model, tok)
     with pytest.raises(ValueError, match="exceeds the model context of 512"):
-        eng.generate(["a" * 500], max_new_tokens=20)
+        eng.generate(["a" * 500], Sampling(max_new_tokens=20))
     with pytest.raises(ValueError, match="temperature"):
-        eng.generate(["a"], temperature=0.0)
+        eng.generate(["a"], Sampling(temperature=0.0))
     with pytest.raises(ValueError, match="no prompts"):
-        eng.generate([])
+        eng.generate([], Sampling())
 
 
 def test_weight_sync_copies_and_casts(tiny_llama):
@@ -176,15 +175,17 @@ def test_deterministic_noise_same_in_decode_and_rescore(tiny_llama, spec):
     from harness.noise import build_noise
 
     model, tok = tiny_llama
-    clean = Engine(model, tok).generate(["12+3=", "ab"], n=2, max_new_tokens=8, seed=4)
+    clean = Engine(model, tok).generate(["12+3=", "ab"], Sampling(n=2, max_new_tokens=8), seed=4)
     noisy = Engine(copy.deepcopy(model), tok, noise=[build_noise(spec[0], **spec[1])])
-    ro = noisy.generate(["12+3=", "ab"], n=2, max_new_tokens=8, seed=4)
+    ro = noisy.generate(["12+3=", "ab"], Sampling(n=2, max_new_tokens=8), seed=4)
     m = ro.response_mask.bool()
     assert (noisy.logp(ro)["logp"] - ro.logp_mu)[m].abs().max() <= 1e-5
     delta = (Engine(model, tok).logp(ro)["logp"] - ro.logp_mu)[m]
     assert delta.abs().mean() > 1e-3  # and it really is noise w.r.t. the clean trainer
     noisy.close()
-    again = Engine(noisy.model, tok).generate(["12+3=", "ab"], n=2, max_new_tokens=8, seed=4)
+    again = Engine(noisy.model, tok).generate(
+        ["12+3=", "ab"], Sampling(n=2, max_new_tokens=8), seed=4
+    )
     assert torch.equal(clean.logp_mu, again.logp_mu)  # close() restored the model
 
 
@@ -193,7 +194,7 @@ def test_routing_record_and_replay_cut_the_mismatch(tiny_moe):
 
     model, tok = tiny_moe
     sampler = Engine(copy.deepcopy(model), tok, noise=[build_noise("routing", sigma=0.5)])
-    ro = sampler.generate(["hello", "1+2="], n=4, max_new_tokens=10, seed=0)
+    ro = sampler.generate(["hello", "1+2="], Sampling(n=4, max_new_tokens=10), seed=0)
     assert ro.routing is not None and ro.routing.shape[:2] == (8, ro.tokens.shape[1] - 1)
     m = ro.response_mask.bool()
     plain = Engine(model, tok).logp(ro)["logp"]
@@ -214,12 +215,12 @@ def _fast_paths_off(eng: Engine) -> Engine:
 
 def test_shared_prompt_prefill_equals_the_per_row_path(tiny_llama):
     model, tok = _sharpened(tiny_llama)  # GQA: 4 heads, 2 KV heads
-    kw = dict(n=3, max_new_tokens=10, seed=4)
-    for sampling in (dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=20)):
-        fast = Engine(model, tok).generate(["12+3=", "hello wo", "x"], **kw, **sampling)
-        slow = _fast_paths_off(Engine(model, tok)).generate(
-            ["12+3=", "hello wo", "x"], **kw, **sampling
-        )
+    for law in (
+        Sampling(n=3, max_new_tokens=10, temperature=1.0),
+        Sampling(n=3, max_new_tokens=10, temperature=0.8, top_p=0.9, top_k=20),
+    ):
+        fast = Engine(model, tok).generate(["12+3=", "hello wo", "x"], law, seed=4)
+        slow = _fast_paths_off(Engine(model, tok)).generate(["12+3=", "hello wo", "x"], law, seed=4)
         assert torch.equal(fast.response_ids, slow.response_ids)
         assert (fast.logp_mu - slow.logp_mu).abs().max() <= 1e-5
         assert torch.equal(fast.prompt_ids, slow.prompt_ids)
@@ -229,7 +230,7 @@ def test_shared_prompt_prefill_equals_the_per_row_path(tiny_llama):
 def test_shared_prompt_prefix_trainer_forward_and_grad_equal_full_forward(tiny_llama):
     model, tok = tiny_llama
     eng = Engine(model, tok)
-    ro = eng.generate(["12+3=", "hello wo", "x"], n=3, max_new_tokens=8, seed=3)
+    ro = eng.generate(["12+3=", "hello wo", "x"], Sampling(n=3, max_new_tokens=8), seed=3)
     assert eng._prompt_groups(ro.tokens, ro.attention_mask, ro.n_prompt)[0].numel() == 3
     w = torch.randn(ro.response_ids.shape + (model.config.hidden_size,))
     grads, hs = [], []
@@ -265,7 +266,7 @@ def test_fast_paths_under_noise(tiny_llama):
         eng = Engine(model, tok, noise=[build_noise(name, **kw)])
         try:
             assert eng._row_local() == share and not eng._can_decode_lean(), (name, kw)
-            ro = eng.generate(["ab", "cd"], n=2, max_new_tokens=3, seed=0)
+            ro = eng.generate(["ab", "cd"], Sampling(n=2, max_new_tokens=3), seed=0)
             groups = eng._prompt_groups(ro.tokens, ro.attention_mask, ro.n_prompt)
             assert (groups is not None) == share, (name, kw)
         finally:
@@ -287,7 +288,9 @@ def test_shared_prompt_prefill_under_row_local_noise_equals_the_per_row_path(tin
         eng = Engine(model, tok, noise=[build_noise(name, **kw)])
         if not share:
             eng._row_local = lambda: False
-        out.append(eng.generate(["12+3=", "hello wo", "x"], n=3, max_new_tokens=10, seed=4))
+        out.append(
+            eng.generate(["12+3=", "hello wo", "x"], Sampling(n=3, max_new_tokens=10), seed=4)
+        )
         eng.close()
     fast, slow = out
     assert torch.equal(fast.response_ids, slow.response_ids)
@@ -366,8 +369,8 @@ def test_lean_decode_rollouts_are_bit_identical_to_the_hf_path(spec, dtype, prom
     lean, hf = Engine(model, tok), Engine(model, tok)
     hf._can_decode_lean = lambda: False  # only the decode loop differs (same shared prefill)
     assert lean._can_decode_lean()
-    a = lean.generate(prompts, n=2, max_new_tokens=12, seed=4, temperature=0.9)
-    b = hf.generate(prompts, n=2, max_new_tokens=12, seed=4, temperature=0.9)
+    a = lean.generate(prompts, Sampling(n=2, max_new_tokens=12, temperature=0.9), seed=4)
+    b = hf.generate(prompts, Sampling(n=2, max_new_tokens=12, temperature=0.9), seed=4)
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(a.logp_mu, b.logp_mu)
 
@@ -417,14 +420,14 @@ def _threads(n: int):
         torch.set_num_threads(before)
 
 
-def _pruned_and_full(eng, prompts, threads=1, **kw):
+def _pruned_and_full(eng, prompts, law, seed, threads=1):
     """The same rollout with finished rows leaving the decode batch and with every row kept (a
     prune floor of 0: never prune), at `threads` intra-op threads."""
     assert eng._row_local()
     with _threads(threads):
-        a = eng.generate(prompts, **kw)
+        a = eng.generate(prompts, law, seed=seed)
         with mock.patch("harness.sampling.engines.prune_floor", return_value=0):
-            b = eng.generate(prompts, **kw)
+            b = eng.generate(prompts, law, seed=seed)
     return a, b
 
 
@@ -478,11 +481,11 @@ def test_pruned_decode_is_bit_identical_to_decoding_every_row(
     try:
         if path == "hf":
             eng._can_decode_lean = lambda: False
-        probe = eng.generate(["12+3="], n=64, max_new_tokens=4, seed=0)
+        probe = eng.generate(["12+3="], Sampling(n=64, max_new_tokens=4), seed=0)
         common = probe.response_ids.flatten().bincount().argsort(descending=True)[:3]
         eng.eos_ids = common
         prompts = ["12+3=", "hello wo", "x", "45-6=", "a b c"]  # 40 rows > the floor of 16
-        a, b = _pruned_and_full(eng, prompts, n=8, max_new_tokens=14, seed=3, top_p=top_p)
+        a, b = _pruned_and_full(eng, prompts, Sampling(n=8, max_new_tokens=14, top_p=top_p), 3)
         lens = a.response_mask.sum(1)
         assert len(lens.unique()) >= 3 and lens.min() < a.response_mask.shape[1]  # rows did prune
         _assert_same_rollout(a, b)
@@ -503,7 +506,7 @@ def test_pruned_decode_on_the_task_model_and_which_noise_may_prune(threads):
     model, tok = load_task_model("countdown")
     eng = Engine(model, tok)
     prompts = [p.prompt for p in countdown().sample(16, "train", 5)]
-    a, b = _pruned_and_full(eng, prompts, threads, n=8, max_new_tokens=24, seed=11)
+    a, b = _pruned_and_full(eng, prompts, Sampling(n=8, max_new_tokens=24), 11, threads)
     assert a.response_mask.sum(1).min() < a.response_mask.shape[1]
     _assert_same_rollout(a, b)
     fresh = {"deterministic": False}
@@ -563,10 +566,10 @@ def test_pruning_is_off_where_gemm_rows_depend_on_the_batch_size(tiny_llama, mon
         )
         prompts = ["12+3=", "hello wo", "x"]  # 3 prompts × 8: a prefill of 3 rows, then 24
         try:
-            probe = eng.generate(["12+3="], n=64, max_new_tokens=4, seed=0)
+            probe = eng.generate(["12+3="], Sampling(n=64, max_new_tokens=4), seed=0)
             eng.eos_ids = probe.response_ids.flatten().bincount().argsort(descending=True)[:3]
             sizes.clear()
-            ro = eng.generate(prompts, n=8, max_new_tokens=10, seed=3)
+            ro = eng.generate(prompts, Sampling(n=8, max_new_tokens=10), seed=3)
             assert ro.response_mask.sum(1).min() < ro.response_mask.shape[1]  # rows finished
             assert sizes[0] == 3 and set(sizes[1:]) == {24}
             monkeypatch.setattr(engines, "gemm_rows_batch_invariant", check)
@@ -575,7 +578,7 @@ def test_pruning_is_off_where_gemm_rows_depend_on_the_batch_size(tiny_llama, mon
                 passes = check(16, torch.device("cpu"), torch.float32)
                 assert engines.prune_floor() == (16 if passes else 0)
                 sizes.clear()
-                eng.generate(prompts, n=8, max_new_tokens=10, seed=3)
+                eng.generate(prompts, Sampling(n=8, max_new_tokens=10), seed=3)
             # the same decode prunes where the check passes, and keeps every row where it fails
             assert (min(sizes[1:]) < 24) if passes else set(sizes[1:]) == {24}
         finally:

@@ -23,6 +23,7 @@ from harness.noise import Fp8Noise, fp8_qdq
 from harness.noise import fp8 as fp8_module
 from harness.noise.fp8 import fp8_kernel_available, fp8_quantise
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 from harness.stats import fp8_fidelity as fid
 from harness.stats.diagnostics import bin_index
 
@@ -248,7 +249,7 @@ def test_fp8_fidelity_bins_agree_with_a_naive_loop_over_tokens():
     json.dumps(out, allow_nan=False)  # strict JSON: empty bins are null, not NaN
     assert {"bins", "overall", "recipe", "n", "max_new_tokens", "seed"} <= set(out)
     assert [b["lo"] for b in out["bins"]] == list(edges[:-1])
-    ro = Engine(model, tok).generate(prompts, n=n, max_new_tokens=T, seed=seed)
+    ro = Engine(model, tok).generate(prompts, Sampling(n=n, max_new_tokens=T), seed=seed)
     n_tok = int(ro.response_mask.sum())
     assert out["overall"]["n_tokens"] == n_tok == sum(b["n_tokens"] for b in out["bins"])
     assert sum(b["n_tokens"] > 0 for b in out["bins"]) >= 2

@@ -18,6 +18,7 @@ from harness.base.models import load_model
 from harness.noise import build_noise, prefix_hash
 from harness.noise.context import hashed_normal, hashed_student_t, mix64
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,7 +73,9 @@ def test_trainer_logprobs_cpu_vs_cuda(dtype, tol_mean, tol_max):
     model, tok = load_model("tiny-llama", dtype=dtype)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # a peaked law, as the trained models have
-    ro = Engine(model, tok).generate(["12+3=", "hello wo"], n=4, max_new_tokens=16, seed=1)
+    ro = Engine(model, tok).generate(
+        ["12+3=", "hello wo"], Sampling(n=4, max_new_tokens=16), seed=1
+    )
     cpu = Engine(model, tok).logp(ro)["logp"]
     cuda_model = copy.deepcopy(model).to(CUDA)
     ro_cuda = copy.copy(ro)
@@ -88,8 +91,8 @@ def test_trainer_logprobs_cpu_vs_cuda(dtype, tol_mean, tol_max):
 def test_rollout_lives_on_cuda_and_its_seed_reproduces_it():
     model, tok = load_model("tiny-llama")
     eng = Engine(model.to(CUDA), tok)
-    kw = dict(n=4, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
-    a, b = eng.generate(["12+3=", "x"], **kw), eng.generate(["12+3=", "x"], **kw)
+    law = Sampling(n=4, max_new_tokens=12, temperature=0.9, top_p=0.9)
+    a, b = (eng.generate(["12+3=", "x"], law, seed=7) for _ in range(2))
     for f in ("prompt_ids", "response_ids", "response_mask", "logp_mu", "support"):
         assert getattr(a, f).device.type == "cuda", f
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp_mu, b.logp_mu)

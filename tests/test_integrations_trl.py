@@ -21,6 +21,7 @@ from harness.integrations.trl import (  # noqa: E402
 from harness.noise import build_noise  # noqa: E402
 from harness.objectives import OBJECTIVES, build_objective  # noqa: E402
 from harness.sampling.engines import Engine  # noqa: E402
+from harness.sampling.rollout import Sampling  # noqa: E402
 
 
 def test_the_valid_names_are_every_objective_but_those_needing_ratiolab_s_loop():
@@ -78,7 +79,7 @@ def grpo(tmp_path, objective: str, checks: list):
 
     def rollout(prompts, trainer):
         ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-        ro = engine.generate(ids, n=1, max_new_tokens=6, seed=next(calls))
+        ro = engine.generate(ids, Sampling(n=1, max_new_tokens=6), seed=next(calls))
         n = ro.response_mask.sum(1).long().tolist()
         return {
             "prompt_ids": ids,

@@ -18,7 +18,8 @@ from conftest import installed_entry_points
 from harness.base.models import load_model
 from harness.noise.position import PositionNoise
 from harness.sampling.engines import Engine
-from harness.sampling.vllm_engine import VllmEngine, default_python
+from harness.sampling.rollout import Sampling
+from harness.sampling.vllm_engine import VllmEngine, VllmOptions, default_python
 from harness.stats.diagnostics import CONF_EDGES, bin_index, gate
 
 KEY = "ratiolab_noise"  # harness.integrations.vllm_noise.KEY (that module imports vllm)
@@ -56,12 +57,12 @@ def prompt_ids(tok) -> list[list[int]]:
 def sample(smollm2, path, mode: str, specs: list[dict], n: int = 8, T: int = 48) -> list:
     """One vLLM worker under `mode`, one rollout per noise spec (same prompts, seed 0)."""
     model, tok = smollm2
-    eng = VllmEngine(copy.deepcopy(model), tok, logprobs_mode=mode, pythonpath=path)
+    eng = VllmEngine(copy.deepcopy(model), tok, VllmOptions(logprobs_mode=mode, pythonpath=path))
     try:
         out = []
         for spec in specs:
             eng.extra_args = {KEY: spec}
-            out.append(eng.generate(prompt_ids(tok), n=n, max_new_tokens=T, seed=0))
+            out.append(eng.generate(prompt_ids(tok), Sampling(n=n, max_new_tokens=T), seed=0))
         return out
     finally:
         eng.close()
@@ -137,13 +138,13 @@ def test_raw_logprobs_report_the_clean_model_while_sampling_the_noisy_law(smollm
 
 def test_a_bad_noise_spec_is_an_error_naming_key_value_and_valid_keys(smollm2, path):
     model, tok = smollm2
-    eng = VllmEngine(copy.deepcopy(model), tok, pythonpath=path)
+    eng = VllmEngine(copy.deepcopy(model), tok, VllmOptions(pythonpath=path))
     try:
         eng.extra_args = {KEY: {"sigma": 0.1, "sgima": 0.2}}
         with pytest.raises(RuntimeError, match=r"unknown key\(s\) \['sgima'\]; valid: \['sigma'"):
-            eng.generate(prompt_ids(tok)[:1], n=1, max_new_tokens=2)
+            eng.generate(prompt_ids(tok)[:1], Sampling(n=1, max_new_tokens=2))
         eng.extra_args = {KEY: {"sigma": -1.0}}
         with pytest.raises(RuntimeError, match=r"sigma must be >= 0, got -1.0"):
-            eng.generate(prompt_ids(tok)[:1], n=1, max_new_tokens=2)
+            eng.generate(prompt_ids(tok)[:1], Sampling(n=1, max_new_tokens=2))
     finally:
         eng.close()

@@ -186,3 +186,90 @@ def test_the_loop_and_the_readme_stay_short():
     entrance, not a manual (≤ 150 lines; the manual is docs/)."""
     assert len((ROOT / "harness" / "train.py").read_text().splitlines()) <= 300
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+# --- signatures: settings travel as options objects --------------------------------------------
+
+MAX_PARAMS = 8
+
+
+def n_params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's parameters, a method's self/cls not counted (a dataclass's generated
+    __init__, an options object's, is not in the source and counts nowhere)."""
+    a = fn.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args)]
+    if names[:1] in (["self"], ["cls"]):
+        names = names[1:]
+    return len(names) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def registered_builders() -> set[tuple[Path, int]]:
+    """(file, first line) of every builder in OBJECTIVES, AGGREGATIONS, TASKS and NOISE (a
+    class: its __init__): their keyword arguments are a config node's keys, the schema itself."""
+    import inspect
+
+    from harness.noise import NOISE
+    from harness.objectives import AGGREGATIONS, OBJECTIVES
+    from harness.tasks import TASKS
+
+    out = set()
+    for table in (OBJECTIVES, AGGREGATIONS, TASKS, NOISE):
+        for fn in table.values():
+            code = inspect.unwrap(fn.__init__ if isinstance(fn, type) else fn).__code__
+            out.add((Path(code.co_filename).resolve(), code.co_firstlineno))
+    return out
+
+
+def wide_signatures(path: Path, builders: set[tuple[Path, int]]) -> list[str]:
+    """`line name (n)` for each function in `path` with more than MAX_PARAMS parameters, except a
+    registered builder whose parameters are all keyword-only."""
+    out = []
+    tree = ast.walk(ast.parse(path.read_text()))
+    defs = (f for f in tree if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    for fn in sorted(defs, key=lambda f: f.lineno):
+        n = n_params(fn)
+        first = min([fn.lineno, *(d.lineno for d in fn.decorator_list)])
+        builder = n == len(fn.args.kwonlyargs) and (path.resolve(), first) in builders
+        if n > MAX_PARAMS and not builder:
+            out.append(f"{fn.lineno} {fn.name} ({n})")
+    return out
+
+
+def test_wide_signatures_by_hand(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "class A:\n"
+        "    def f(self, a, b, c, d, e, f, g, h): ...\n"  # 8 without self
+        "    def g(self, a, b, c, d, e, f, g, h, i): ...\n"  # 9
+        "@register\n"
+        "def h(*, a, b, c, d, e, f, g, h, i): ...\n"  # 9 keyword-only, a builder from line 4
+        "def k(a, *, b, c, d, e, f, g, h, i): ...\n"  # 9, one positional: no builder
+        "def m(*args, **kwargs): ...\n"  # 2
+    )
+    builders = {(path.resolve(), 4), (path.resolve(), 6)}
+    assert wide_signatures(path, builders) == ["3 g (9)", "6 k (9)"]
+    assert wide_signatures(path, set()) == ["3 g (9)", "5 h (9)", "6 k (9)"]
+
+
+def test_no_harness_function_takes_more_than_eight_parameters():
+    """Settings travel as one typed options object (Sampling, StepOptions, VllmOptions, ...);
+    only the registered builders, whose keyword-only parameters are the config's keys, are
+    wider."""
+    builders = registered_builders()
+    wide = {
+        str(p.relative_to(ROOT)): w
+        for p in sorted((ROOT / "harness").rglob("*.py"))
+        if (w := wide_signatures(p, builders))
+    }
+    assert wide == {}
+
+
+def test_no_formatter_escapes_in_harness():
+    """The code reads as ruff formats it: no `fmt: skip` / `fmt: off` in harness/."""
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "harness").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"#\s*fmt:\s*(skip|off)", line)
+    ]
+    assert hits == []

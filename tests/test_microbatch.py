@@ -34,6 +34,7 @@ from harness.objectives import OBJECTIVES
 from harness.objectives.core import ObjectiveOutput, PolicyObjective
 from harness.rl import setup
 from harness.sampling.engines import Engine, micro_batches
+from harness.sampling.rollout import Sampling
 from harness.stats.diagnostics import collapse_guard
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
@@ -271,7 +272,7 @@ def test_a_per_micro_batch_denominator_is_far_outside_the_tolerance(tmp_path, ag
     prompts = [p.prompt for p in ArithmeticTask(digits=1).sample(2, "train", 0)]
     reward = lambda ro: (torch.arange(ro.response_ids.shape[0]) % 2).float()  # noqa: E731
     sampling = setup.rollout_sampling(cfg, s.task)
-    batch, ro, _ = collect(s.sampler, s.policy, prompts, reward, sampling, seed=0)
+    batch, ro, _ = collect(s.sampler, s.policy, prompts, reward, sampling, s.options, seed=0)
     rows = torch.arange(len(batch.mask))
     parts = micro_batches(ro.attention_mask.sum(1), BUDGET)
     assert len(parts) >= 3 and len(set(batch.mask.sum(1).tolist())) > 1  # uneven lengths
@@ -366,7 +367,7 @@ def test_activation_checkpointing_gives_the_same_gradient_dense(tiny_llama):
     forward runs twice per pass (forward, recomputation), the gradients agree."""
     model, tok = tiny_llama
     sampler = Engine(copy.deepcopy(model), tok)
-    ro = sampler.generate(["1+2=", "7-3="], n=4, max_new_tokens=10, seed=0, top_p=0.9)
+    ro = sampler.generate(["1+2=", "7-3="], Sampling(n=4, max_new_tokens=10, top_p=0.9), seed=0)
     plain = Engine(copy.deepcopy(model).train(), tok)
     ckpt = Engine(copy.deepcopy(model).train(), tok, activation_checkpointing=True)
     calls = counted_calls(ckpt.model.model.layers[0].mlp)
@@ -380,7 +381,7 @@ def test_activation_checkpointing_gives_the_same_gradient_dense(tiny_llama):
 def routed(tiny_moe):
     model, tok = tiny_moe
     sampler = Engine(copy.deepcopy(model), tok, noise=[build_noise("routing", sigma=0.5)])
-    ro = sampler.generate(["1+2=", "7-3=", "4+4="], n=2, max_new_tokens=8, seed=0)
+    ro = sampler.generate(["1+2=", "7-3=", "4+4="], Sampling(n=2, max_new_tokens=8), seed=0)
     return model, tok, ro
 
 
@@ -430,7 +431,9 @@ def test_activation_checkpointing_with_the_fp8_trainer(tiny_llama):
     from harness.noise import Fp8Trainer
 
     model, tok = tiny_llama
-    ro = Engine(copy.deepcopy(model), tok).generate(["1+2=", "7-3="], n=3, max_new_tokens=8)
+    ro = Engine(copy.deepcopy(model), tok).generate(
+        ["1+2=", "7-3="], Sampling(n=3, max_new_tokens=8)
+    )
 
     def fp8():
         return [Fp8Trainer(build_noise("fp8", fmt="e5m2"))]

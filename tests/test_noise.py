@@ -29,6 +29,7 @@ from harness.noise import (
 )
 from harness.noise.context import hashed_normal, hashed_student_t, mix64
 from harness.noise.routing import find_routers, select
+from harness.sampling.rollout import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -696,7 +697,7 @@ def test_position_noise_delta_logp_between_clean_trainer_and_noisy_sampler_follo
     noisy = Engine(model, tok, noise=[build_noise("position", sigma=sigma, length=length)])
     noisy.eos_ids = noisy.eos_ids[:0]  # no EOS: every row runs T tokens
     prompts = ["1", "12+3=", "hello there you", "a much longer prompt than that"]
-    ro = noisy.generate(prompts, n=96, max_new_tokens=T, seed=1)
+    ro = noisy.generate(prompts, Sampling(n=96, max_new_tokens=T), seed=1)
     clean = Engine(uniform_llama()[0], tok).logp(ro)["logp"]
     assert torch.equal(clean, torch.full_like(clean, -torch.log(torch.tensor(99.0)).item()))
     delta = (clean - ro.logp_mu).abs().double()
@@ -729,8 +730,8 @@ def test_position_noise_same_in_prefill_kv_decode_recompute_and_rescore():
     noise = dict(sigma=0.2, length=4.0)
     kv = Engine(copy.deepcopy(model), tok, noise=[build_noise("position", **noise)])
     rc = Engine(copy.deepcopy(model), tok, noise=[build_noise("position", **noise)], kv_cache=False)
-    prompts, kw = ["hi", "a much longer prompt"], dict(n=2, max_new_tokens=12, seed=2)
-    a, b = kv.generate(prompts, **kw), rc.generate(prompts, **kw)
+    prompts, law = ["hi", "a much longer prompt"], Sampling(n=2, max_new_tokens=12)
+    a, b = kv.generate(prompts, law, seed=2), rc.generate(prompts, law, seed=2)
     assert torch.equal(a.response_ids, b.response_ids)
     m = a.response_mask.bool()
     assert (a.logp_mu - b.logp_mu)[m].abs().max() <= 1e-5
@@ -755,14 +756,14 @@ def test_position_noise_sigma_zero_is_bit_identical_and_sigma_scales_every_posit
     ref = logits(model, x)
     with build_noise("position", sigma=0.0).attached(model):
         assert torch.equal(logits(model, x), ref)
-    kw = dict(n=2, max_new_tokens=10, seed=3)
+    law = Sampling(n=2, max_new_tokens=10)
     plain = Engine(model, tok)
     # the decode path an engine with row-local noise attached takes (the shared prompt prefill,
     # no lean decoder): the lean decoder rounds differently with two threads
     plain._can_decode_lean = lambda: False
-    clean = plain.generate(["12+3=", "hello"], **kw)
+    clean = plain.generate(["12+3=", "hello"], law, seed=3)
     zero = Engine(model, tok, noise=[build_noise("position", sigma=0.0)])
-    ro = zero.generate(["12+3=", "hello"], **kw)
+    ro = zero.generate(["12+3=", "hello"], law, seed=3)
     zero.close()
     assert torch.equal(ro.response_ids, clean.response_ids)
     assert torch.equal(ro.logp_mu, clean.logp_mu)

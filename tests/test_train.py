@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import shutil
@@ -13,6 +14,7 @@ from harness.objectives.opsd import copy_exit_mass
 from harness.rl import setup
 from harness.runs import validate
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 
 CONFIG_DIR = str(train.__file__.rsplit("/harness/", 1)[0] + "/experiments")
 TINY = [
@@ -168,10 +170,10 @@ def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward, devic
 def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):
     from harness.objectives.core import ObjectiveOutput
 
-    real = setup.build_objective
+    real = setup.run_objective
 
-    def nan_objective(name, **kw):
-        obj = real(name, **kw)
+    def nan_objective(name, kw, aggregation):
+        obj = real(name, kw, aggregation)
 
         class Nan(type(obj)):
             def __call__(self, logp, batch):
@@ -181,7 +183,7 @@ def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):
         obj.__class__ = Nan
         return obj
 
-    monkeypatch.setattr(setup, "build_objective", nan_objective)
+    monkeypatch.setattr(setup, "run_objective", nan_objective)
     cfg = _cfg(tmp_path, "steps=10", "guard.max_nonfinite=3", "checkpoint_every=100")
     with pytest.raises(train.TrainingAborted, match="3 consecutive steps"):
         train.run(cfg)
@@ -227,6 +229,35 @@ def test_distillation_trains_each_minibatch_at_its_lag(tmp_path):
     assert _metrics(tmp_path)[-1]["alpha/lag"] == pytest.approx(1.5)
 
 
+def test_step_options_are_the_configs_settings(tmp_path):
+    """The step's settings travel as one object built from the config: each field is its key's
+    value, and StepOptions' own defaults are the config's."""
+    from harness.rl.step import StepOptions
+
+    cfg = _cfg(
+        tmp_path,
+        "advantage=drgrpo",
+        "engine.logp_old_source=sampler",
+        "engine.mask_replay=false",
+        "engine.routing_replay=true",
+        "engine.routing_replay_source=trainer",
+        "optim.grad_clip=0.25",
+    )
+    want = StepOptions(
+        advantage="drgrpo",
+        logp_old_source="sampler",
+        mask_replay=False,
+        own_routes=True,  # R2: routing replay from the trainer's own routes
+        grad_clip=0.25,
+        progress=False,  # the loop's bar is its own, whatever `progress` says
+    )
+    assert setup.step_options(cfg) == want
+    assert setup.step_options(_cfg(tmp_path, "engine.routing_replay=true")).own_routes is False
+    assert setup.step_options(_cfg(tmp_path)) == StepOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        want.grad_clip = 1.0
+
+
 def test_bad_config_fails_before_compute(tmp_path):
     from hydra.errors import ConfigCompositionException
 
@@ -265,7 +296,7 @@ def test_training_pass_doubles_as_logp_old_recompute(tiny_llama):
 
     model, tok = tiny_llama
     eng = Engine(model, tok)
-    ro = eng.generate(["12+3=", "ab"], n=3, max_new_tokens=7, top_p=0.9, seed=1)
+    ro = eng.generate(["12+3=", "ab"], Sampling(n=3, max_new_tokens=7, top_p=0.9), seed=1)
     rows = torch.tensor([4, 0, 2])
     out = eng.logp(ro, rows, grad=True, mask_replay=True)
     ref = eng.logp(ro, mask_replay=True)
@@ -401,13 +432,13 @@ def test_routing_replay_leaves_evaluation_to_the_trainers_own_routes(tmp_path):
     from harness.rl.setup import build_setup
 
     s = build_setup(_cfg(tmp_path, "model=tiny-moe", "noise=routing", "engine.routing_replay=true"))
-    ro = s.sampler.generate(["1+1=", "2+3="], n=4, max_new_tokens=5, seed=0)
+    ro = s.sampler.generate(["1+1=", "2+3="], Sampling(n=4, max_new_tokens=5), seed=0)
     s.policy.logp(ro, torch.tensor([0, 1, 2]))  # the rows of one minibatch
     replay = s.policy._noise_of(type(build_noise("replay")))
     assert replay is not None and replay.indices is None
-    again = s.policy.generate(["1+1=", "2+3=", "4+4="], n=1, max_new_tokens=5, seed=1)
+    again = s.policy.generate(["1+1=", "2+3=", "4+4="], Sampling(n=1, max_new_tokens=5), seed=1)
     plain = Engine(s.policy.model, s.tok).generate(
-        ["1+1=", "2+3=", "4+4="], n=1, max_new_tokens=5, seed=1
+        ["1+1=", "2+3=", "4+4="], Sampling(n=1, max_new_tokens=5), seed=1
     )  # same model object: R3's hooks pass through when no routes are set
     assert torch.equal(again.response_ids, plain.response_ids)
     assert torch.equal(again.logp_mu, plain.logp_mu)
@@ -421,7 +452,7 @@ def test_own_routes_are_the_routers_top_k():
 
     model, tok = load_model("tiny-moe")
     eng = Engine(model, tok)
-    ro = eng.generate(["1+1=", "22+3="], n=2, max_new_tokens=5, seed=0)
+    ro = eng.generate(["1+1=", "22+3="], Sampling(n=2, max_new_tokens=5), seed=0)
     routes = eng.own_routes(ro)
     B, S = ro.tokens.shape
     with torch.no_grad():
@@ -458,10 +489,12 @@ def test_r2_replays_the_trainers_own_routes_at_pi_old_not_mus(tmp_path):
         sampling=setup.rollout_sampling(cfg, s.task),
         seed=0,
     )
-    _, ro_mu, _ = collect(*args, **kw)  # R3's routes: μ's, under routing noise
+    assert s.options.own_routes  # R2, from the config
+    r3 = dataclasses.replace(s.options, own_routes=False)
+    _, ro_mu, _ = collect(*args, **kw, options=r3)  # R3's routes: μ's, under routing noise
     s.sampler.own_routes(ro_mu)  # leaves μ's record of sampled routes as it was (empty)
-    assert torch.equal(collect(*args, **kw)[1].routing, ro_mu.routing)
-    batch, ro, _ = collect(*args, **kw, own_routes=True)
+    assert torch.equal(collect(*args, **kw, options=r3)[1].routing, ro_mu.routing)
+    batch, ro, _ = collect(*args, **kw, options=s.options)
     own = s.policy.own_routes(ro)
     assert torch.equal(ro.routing[:, : own.shape[1]], own)
     assert not torch.equal(ro_mu.routing, own[:, : ro_mu.routing.shape[1]])  # μ's differ
@@ -705,7 +738,7 @@ def test_sampler_refuses_a_nonfinite_distribution(tiny_llama):
     with torch.no_grad():
         model.lm_head.weight.fill_(float("nan"))
     with pytest.raises(FloatingPointError, match="non-finite next-token distribution"):
-        Engine(model, tok).generate(["1+1="], n=2, max_new_tokens=3)
+        Engine(model, tok).generate(["1+1="], Sampling(n=2, max_new_tokens=3))
 
 
 def test_rerun_with_a_different_config_fails_before_compute_and_lists_the_keys(tmp_path):

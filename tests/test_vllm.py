@@ -17,6 +17,7 @@ from test_engines import _sharpened, assert_faithful_law
 
 from harness.base.models import load_model, tiny_llama
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 from harness.sampling.vllm_engine import VllmEngine, WorkerDied, default_python
 
 pytestmark = [
@@ -48,7 +49,7 @@ def trainer_logp(model, tok, ro) -> torch.Tensor:
 def test_fp32_samples_with_the_trainers_logprobs(tiny):
     model, tok, eng = tiny
     eng.load_weights_from_state(model.state_dict())
-    ro = eng.generate([[5, 6, 7], [9, 10, 11, 12, 13]], n=3, max_new_tokens=12, seed=3)
+    ro = eng.generate([[5, 6, 7], [9, 10, 11, 12, 13]], Sampling(n=3, max_new_tokens=12), seed=3)
     m = ro.response_mask.bool()
     assert m.sum() > 20
     assert (trainer_logp(model, tok, ro) - ro.logp_mu)[m].abs().max() < 1e-4
@@ -60,9 +61,9 @@ def test_fp32_samples_with_the_trainers_logprobs(tiny):
 
 def test_rollouts_are_a_function_of_the_seed(tiny):
     model, tok, eng = tiny
-    a = eng.generate([[5, 6, 7]] * 2, n=4, max_new_tokens=8, seed=11)
-    b = eng.generate([[5, 6, 7]] * 2, n=4, max_new_tokens=8, seed=11)
-    c = eng.generate([[5, 6, 7]] * 2, n=4, max_new_tokens=8, seed=12)
+    a = eng.generate([[5, 6, 7]] * 2, Sampling(n=4, max_new_tokens=8), seed=11)
+    b = eng.generate([[5, 6, 7]] * 2, Sampling(n=4, max_new_tokens=8), seed=11)
+    c = eng.generate([[5, 6, 7]] * 2, Sampling(n=4, max_new_tokens=8), seed=12)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp_mu, b.logp_mu)
     assert not torch.equal(a.response_ids, c.response_ids)
 
@@ -76,11 +77,7 @@ def test_logp_mu_is_faithful_chi_square(tiny, temperature, top_p, top_k):
     eng.load_weights_from_state(model.state_dict())
     ro = eng.generate(
         [[5, 6, 7]],
-        n=6000,
-        max_new_tokens=1,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
+        Sampling(n=6000, max_new_tokens=1, temperature=temperature, top_p=top_p, top_k=top_k),
         seed=1,
     )
     # vLLM reports the kept support under top-k, for mask replay
@@ -94,7 +91,7 @@ def test_a_dead_worker_is_an_error_naming_the_engine_and_its_log():
         os.kill(eng.proc.pid, signal.SIGKILL)
         eng.proc.wait()
         with pytest.raises(WorkerDied, match=r"engine.sampler=vllm: the vLLM worker .* \(log: "):
-            eng.generate([[5, 6, 7]], n=2, max_new_tokens=4)
+            eng.generate([[5, 6, 7]], Sampling(n=2, max_new_tokens=4))
     finally:
         eng.close()
 
@@ -119,14 +116,14 @@ def test_weight_sync_reaches_the_tied_head_and_the_prefix_cache():
             add_special_tokens=False,
         ).input_ids
         assert len(prompt) > 128  # more than one KV-cache block (128 tokens on vLLM's CPU)
-        eng.generate([prompt], n=2, max_new_tokens=8, seed=0)  # fills the prefix cache
+        eng.generate([prompt], Sampling(n=2, max_new_tokens=8), seed=0)  # fills the prefix cache
         old = copy.deepcopy(model)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         ids = torch.tensor([prompt])
         model(ids, labels=ids).loss.backward()
         opt.step()
         eng.load_weights_from_state(model.state_dict())
-        ro = eng.generate([prompt], n=2, max_new_tokens=8, seed=0)
+        ro = eng.generate([prompt], Sampling(n=2, max_new_tokens=8), seed=0)
         m = ro.response_mask.bool()
         assert (trainer_logp(model, tok, ro) - ro.logp_mu)[m].abs().max() < 1e-4
         assert (trainer_logp(old, tok, ro) - ro.logp_mu)[m].abs().max() > 1e-2

@@ -58,7 +58,7 @@ from harness.noise import NOISE, layer_amplification
 from harness.objectives import build_objective
 from harness.rl.alpha import minibatch_schedule, perturb_weights_
 from harness.rl.setup import build_policy, build_sampler, r2, rollout_sampling, step_seed
-from harness.rl.step import adamw, collect, update
+from harness.rl.step import Learner, StepOptions, adamw, collect, update
 from harness.runs import config
 from harness.runs.access import noise_nodes, split_node
 from harness.runs.config import EngineCfg, ModelCfg, OptimCfg, RolloutCfg, open_schema
@@ -293,10 +293,7 @@ def model_spec(cfg: DictConfig) -> str:
 
 
 def sample(engine: Engine, prompts, cfg: DictConfig, seed: int) -> Rollout:
-    sp = rollout_sampling(cfg)
-    return engine.generate(
-        prompts, sp.n, sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, seed, cfg.progress
-    )
+    return engine.generate(prompts, rollout_sampling(cfg), seed=seed, progress=cfg.progress)
 
 
 def token_log(ro: Rollout, sc: dict, logp_trainer: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -371,16 +368,9 @@ def train_steps(live: Engine, batch: TokenBatch, ro: Rollout, cfg: DictConfig) -
         live.model, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, fused=False
     )
     live.model.requires_grad_(True)
-    _, metrics, skipped = update(
-        live,
-        build_objective(name, **kw),
-        batch,
-        ro,
-        schedule,
-        opt,
-        o.grad_clip,
-        mask_replay=cfg.engine.mask_replay,
-    )
+    options = StepOptions(mask_replay=cfg.engine.mask_replay, grad_clip=o.grad_clip)
+    learner = Learner(policy=live, opt=opt)
+    _, metrics, skipped = update(learner, build_objective(name, **kw), batch, ro, schedule, options)
     live.model.requires_grad_(False)
     return {
         "loss": [m["loss"] for m in metrics],
@@ -656,10 +646,10 @@ def calibration_pass(cfg: DictConfig, m: Models, prompts, split: SNRSplit) -> tu
             prompts,
             partial(rewards, m.tok),
             rollout_sampling(cfg),
+            StepOptions(
+                mask_replay=cfg.engine.mask_replay, own_routes=r2(cfg), progress=cfg.progress
+            ),
             seed=step_seed(cfg.seed, i),
-            mask_replay=cfg.engine.mask_replay,
-            own_routes=r2(cfg),
-            progress=cfg.progress,
         )
         sc = {"p_t": batch.p_t, "p_sq_sum": batch.p_sq_sum}
         tol = cfg.measurement.identity_tol

@@ -253,6 +253,7 @@ class Fp8Noise(NoiseModel):
 
     def __init__(
         self,
+        *,
         fmt: str = "e4m3",
         granularity: str = "tensor",
         weights: bool = True,

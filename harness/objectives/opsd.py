@@ -16,6 +16,8 @@ clipped objective's logit gradient P_A·q_i has the opposite sign to the exact q
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -196,9 +198,22 @@ class CopyExitMass:
         return exit_mass_metrics(p, q) | copy_split_metrics(tokens)
 
 
-def teacher_inputs(policy, problems, prompt: str, group_size: int, reps: list[dict]):
-    """The teacher's privileged prompts (`prompt` with each problem's reference solution; one
-    per rollout row, as `policy` encodes them) and the per-minibatch exit-mass metric."""
+@dataclass(frozen=True)
+class Teacher:
+    """OPSD's teacher on a rollout: the frozen model and, per row, the privileged prompt it
+    conditions on in place of the student's (left-padded `ids` and `mask`)."""
+
+    model: torch.nn.Module
+    ids: Tensor
+    mask: Tensor
+
+
+def teacher_inputs(
+    policy, teacher: torch.nn.Module, problems, prompt: str, group_size: int, reps: list[dict]
+) -> tuple[Teacher, CopyExitMass]:
+    """The teacher with its privileged prompts (`prompt` with each problem's reference solution;
+    one per rollout row, as `policy` encodes them) and the per-minibatch exit-mass metric."""
     t_ids, t_mask = policy.encode_prompts([teacher_prompt(p, prompt) for p in problems])
     g = group_size
-    return t_ids.repeat_interleave(g, 0), t_mask.repeat_interleave(g, 0), CopyExitMass(reps)
+    rows = Teacher(teacher, t_ids.repeat_interleave(g, 0), t_mask.repeat_interleave(g, 0))
+    return rows, CopyExitMass(reps)

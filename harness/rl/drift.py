@@ -39,8 +39,8 @@ from harness.rl.setup import (
     build_policy,
     build_sampler,
     build_task_and_model,
-    r2,
     rollout_sampling,
+    step_options,
 )
 from harness.rl.step import collect
 from harness.runs import plugins
@@ -145,9 +145,8 @@ def calibration_pass(cfg, task, tok, sampler, trainer, problems, seed: int):
         [p.prompt for p in problems],
         partial(task.rollout_rewards, problems, tokenizer=tok),
         rollout_sampling(cfg, task),
+        step_options(cfg),
         seed=seed,
-        mask_replay=cfg.engine.mask_replay,
-        own_routes=r2(cfg),
     )
     x, m = batch.log_rho, batch.mask
     err = logit_errors(sampler, trainer, ro)

@@ -42,7 +42,7 @@ from harness.base import distributed
 from harness.base.distributed import ONE, Ranks
 from harness.base.io import write_json_atomic, write_text_atomic
 from harness.objectives.core import Window
-from harness.rl.setup import build_setup, r2, rollout_sampling, step_seed
+from harness.rl.setup import build_setup, rollout_sampling, step_seed
 from harness.rl.step import collect, gather_batch, share_rows
 from harness.runs import config
 from harness.runs.validate import validate
@@ -103,10 +103,8 @@ def run(cfg: DictConfig, validated: bool = False, ranks: Ranks = ONE) -> dict[st
             [p.prompt for p in problems[own]],
             reward,
             sampling,
+            s.options,
             seed=seed,
-            advantage=cfg.advantage,
-            mask_replay=cfg.engine.mask_replay,
-            own_routes=r2(cfg),
             batch_rows=batch_rows,
         )
         if ranks.world > 1:
@@ -134,6 +132,7 @@ def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, flo
     student without; T = the rollout's) and the mean per-token log-prob each gives the reference
     solution + EOS, teacher-forced."""
     from harness.sampling.engines import Engine
+    from harness.sampling.rollout import Sampling
     from harness.tasks import teacher_prompt
     from harness.tasks.warmstart import sft_batch, sft_loss
 
@@ -147,9 +146,7 @@ def opsd_check(s, cfg: DictConfig, problems: list, budget: int) -> dict[str, flo
     ]:
         ro = Engine(model, s.tok).generate(
             [p.prompt for p in probs],
-            n=1,
-            max_new_tokens=budget,
-            temperature=cfg.rollout.temperature,
+            Sampling(n=1, max_new_tokens=budget, temperature=cfg.rollout.temperature),
             seed=cfg.eval_seed,
         )
         out[f"{who}_acc"] = float(s.task.rollout_rewards(problems, ro, s.tok).mean())

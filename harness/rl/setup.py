@@ -8,6 +8,7 @@ of its step are the same objects.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,10 @@ from harness.base.registry import build
 from harness.noise import Fp8Trainer, build_noise
 from harness.objectives import Objective, run_objective
 from harness.rl.alpha import WeightHistory
-from harness.rl.step import Sampling, adamw
+from harness.rl.step import Learner, StepOptions, adamw
 from harness.runs.access import fsdp, noise_nodes, split_node, task_spec
 from harness.sampling.engines import Engine
-from harness.sampling.rollout import Sampler
+from harness.sampling.rollout import Sampler, Sampling
 from harness.sampling.samplers import ENGINES
 from harness.tasks import TASKS, Task
 
@@ -82,6 +83,7 @@ class Setup:
     teacher: torch.nn.Module | None
     objective: Objective
     opt: Any  # torch.optim.AdamW, or harness.rl.step.MasterAdamW for a bf16/fp16 trainer
+    options: StepOptions  # the step's settings from the config
     history: WeightHistory
     identity: dict
     # (noise model, its configured σ): drivers.beta_growth scales σ from these each step
@@ -96,6 +98,21 @@ class Setup:
             self.old_policy.load_weights_from_state(self.history.behaviour())
         return self.old_policy
 
+    def learner(self, restore: Callable[[], None]) -> Learner:
+        """π_θ as the update steps it: the weight history's push after each optimizer step,
+        `restore()` (a roll-back) after one that made a weight non-finite."""
+        return Learner(
+            policy=self.policy,
+            opt=self.opt,
+            on_step=self.push_weights,
+            restore=restore,
+            ranks=self.ranks,
+        )
+
+    def push_weights(self) -> None:
+        """The trainer's current weights into the weight history."""
+        self.history.push(self.trainer)
+
     @property
     def trainer(self) -> Any:
         """What the weight history copies: the trainer's model, its full weights when sharded."""
@@ -106,6 +123,17 @@ class Setup:
 def r2(cfg: DictConfig) -> bool:
     """R2: the trainer replays its own routes at π_old (engine.routing_replay_source=trainer)."""
     return cfg.engine.routing_replay and cfg.engine.routing_replay_source == "trainer"
+
+
+def step_options(cfg: DictConfig) -> StepOptions:
+    """The step's settings from the run's config (harness.rl.step.StepOptions)."""
+    return StepOptions(
+        advantage=cfg.advantage,
+        logp_old_source=cfg.engine.logp_old_source,
+        mask_replay=cfg.engine.mask_replay,
+        own_routes=r2(cfg),
+        grad_clip=cfg.optim.grad_clip,
+    )
 
 
 def build_policy(cfg: DictConfig, model: torch.nn.Module, tok) -> Engine:
@@ -190,12 +218,13 @@ def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
         teacher=teacher,
         objective=build_train_objective(cfg),
         opt=opt,
+        options=step_options(cfg),
         history=history,
         identity=identity,
         sigma0=[(n, n.sigma) for n in sampler.noise if n.sigma is not None],
         ranks=ranks,
     )
-    history.push(s.trainer)
+    s.push_weights()
     return s
 
 
@@ -214,4 +243,10 @@ def token_budget(cfg: DictConfig, task: Task | None) -> int:
 def rollout_sampling(cfg: DictConfig, task: Task | None = None) -> Sampling:
     """The `rollout` node as the samplers read it, the budget `token_budget`'s."""
     r = cfg.rollout
-    return Sampling(r.group_size, token_budget(cfg, task), r.temperature, r.top_p, r.top_k)
+    return Sampling(
+        n=r.group_size,
+        max_new_tokens=token_budget(cfg, task),
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+    )

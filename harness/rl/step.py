@@ -1,15 +1,16 @@
 """One GRPO step, written once, around the three policies.
 
-    batch, ro, rewards = collect(sampler, old_policy, prompts, reward, sampling, seed=..)
-    batch, metrics, skipped = update(policy, objective, batch, ro, schedule, opt, grad_clip)
+    batch, ro, rewards = collect(sampler, old_policy, prompts, reward, sampling, options, seed=..)
+    batch, metrics, skipped = update(learner, objective, batch, ro, schedule, options)
 
-`sampler` (μ), `old_policy` (π_old: the trainer's weights at the behaviour version) and `policy`
-(π_θ) are Engines, each with its own weights. At staleness 0 π_old *is* the policy before the
-update, so the loop passes the policy itself; with one minibatch it may pass `old_policy=None`:
-the update's only pass is then at θ = θ_old and doubles as π_old (π_old := sg(π_θ), as TRL does;
-one forward fewer). `harness.train.run`, `harness.measure` and `benchmarks/bench_step.py` all
-call these; `update_distill` is the self-distillation (OPSD) update; `evaluate` the held-out
-accuracy the loop logs.
+`sampler` (μ), `old_policy` (π_old: the trainer's weights at the behaviour version) and
+`learner.policy` (π_θ) are Engines, each with its own weights; `options` (`StepOptions`) holds
+the step's settings, built once per run from its config (harness.rl.setup.step_options). At
+staleness 0 π_old *is* the policy before the update, so the loop passes the policy itself; with
+one minibatch it may pass `old_policy=None`: the update's only pass is then at θ = θ_old and
+doubles as π_old (π_old := sg(π_θ), as TRL does; one forward fewer). `harness.train.run`,
+`harness.measure` and `benchmarks/bench_step.py` all call these; `update_distill` is the
+self-distillation (OPSD) update; `evaluate` the held-out accuracy the loop logs.
 """
 
 from __future__ import annotations
@@ -33,20 +34,36 @@ from harness.base.batch import (
 from harness.base.distributed import ONE, Ranks
 from harness.noise.fp8 import ShadowPass
 from harness.objectives.core import ObjectiveOutput
+from harness.objectives.opsd import Teacher
 from harness.sampling.engines import Engine, micro_batches
-from harness.sampling.rollout import Rollout
+from harness.sampling.rollout import Rollout, Sampling
 from harness.stats.repetition import token_places
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """What μ samples: n responses per prompt under temperature / top-k / top-p."""
+@dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """The settings of a step that a run's config fixes, one object built once per run
+    (harness.rl.setup.step_options); the defaults are the config's."""
 
-    n: int
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    advantage: str = "grpo"  # group_advantages: grpo (mean and std) | drgrpo (mean only)
+    logp_old_source: str = "trainer"  # π_old: the trainer's recompute | sampler (μ)
+    mask_replay: bool = True  # π_old and π_θ score on μ's top-k / top-p support
+    own_routes: bool = False  # R2: π_old's pass records the trainer's own MoE routes
+    grad_clip: float = 1.0  # the gradient's global norm is clipped to this
+    progress: bool = False  # a bar over μ's decoding (the training loop shows its own)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Learner:
+    """π_θ and what steps it: `opt` (AdamW, or MasterAdamW for a bf16/fp16 trainer), `on_step()`
+    after each optimizer step (the loop's weight history), `restore()` after one that made a
+    weight non-finite (see `optimizer_step`), and the ranks its weights are sharded over."""
+
+    policy: Engine
+    opt: Any
+    on_step: Callable[[], None] | None = None
+    restore: Callable[[], None] | None = None
+    ranks: Ranks = ONE
 
 
 def collect(
@@ -55,34 +72,22 @@ def collect(
     prompts: Sequence,
     reward: Callable[[Rollout], Tensor],
     sampling: Sampling,
+    options: StepOptions,
     *,
     seed: int,
-    advantage: str = "grpo",
-    logp_old_source: str = "trainer",
-    mask_replay: bool = True,
-    own_routes: bool = False,
-    progress: bool = False,
     batch_rows: tuple[int, int] | None = None,
 ) -> tuple[TokenBatch, Rollout, Tensor]:
     """μ samples `sampling.n` responses per prompt; `reward(ro)` → [B] rewards; group
     advantages; π_old scored by `old_policy` (with the sampler's support and routes for these
-    rows). `own_routes` (R2): the rollout's routes become `old_policy`'s own at these weights,
-    which π_old's pass and every later pass on the rollout then replay. Returns (batch, rollout,
-    rewards); `batch.logp_old` is None when `old_policy` is.
+    rows). `options.own_routes` (R2): the rollout's routes become `old_policy`'s own at these
+    weights, which π_old's pass and every later pass on the rollout then replay. Returns (batch,
+    rollout, rewards); `batch.logp_old` is None when `old_policy` is.
     `batch_rows`: these rows' place in the step's batch (a rank's share; `Engine.generate`)."""
     ro = sampler.generate(
-        list(prompts),
-        n=sampling.n,
-        max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        seed=seed,
-        progress=progress,
-        batch_rows=batch_rows,
+        list(prompts), sampling, seed=seed, progress=options.progress, batch_rows=batch_rows
     )
     rewards = reward(ro).to(ro.logp_mu.device)  # tasks score on the CPU; the batch lives on μ's
-    adv = group_advantages(rewards, ro.prompt_index, advantage)
+    adv = group_advantages(rewards, ro.prompt_index, options.advantage)
     batch = TokenBatch(
         tokens=ro.response_ids,
         mask=ro.response_mask,
@@ -91,12 +96,13 @@ def collect(
         advantages=adv[:, None].expand_as(ro.logp_mu) * ro.response_mask,
         place=token_places(ro.response_ids, ro.response_mask, sampling.max_new_tokens),
     )
-    if own_routes:
+    if options.own_routes:
         if old_policy is None:
             raise ValueError("own_routes (R2) needs the engine at π_old's weights: old_policy")
         ro = dataclasses.replace(ro, routing=old_policy.own_routes(ro))
     if old_policy is not None:
-        batch = batch.with_old(old_policy.logp(ro, mask_replay=mask_replay), logp_old_source)
+        scores = old_policy.logp(ro, mask_replay=options.mask_replay)  # π_old's
+        batch = batch.with_old(scores, options.logp_old_source)
     return batch, ro, rewards
 
 
@@ -216,16 +222,15 @@ def optimizer_step(
     return float(gnorm), res
 
 
-def step_and_log(
-    model, backward: Backward, lag: int, opt, grad_clip: float, restore, on_step
-) -> dict | None:
+def step_and_log(learner: Learner, backward: Backward, lag: int, grad_clip: float) -> dict | None:
     """One optimizer step on what `backward()` accumulates; its metrics, or None if skipped."""
-    out = optimizer_step(model, backward, opt, grad_clip, restore)
+    model = learner.policy.model
+    out = optimizer_step(model, backward, learner.opt, grad_clip, learner.restore)
     if out is None:
         return None
     gnorm, res = out
-    if on_step is not None:
-        on_step()
+    if learner.on_step is not None:
+        learner.on_step()
     return {
         **res.metrics,
         "loss": float(res.loss.detach()),
@@ -250,8 +255,7 @@ def backward_through_logp(
     mb: TokenBatch,
     policy: Engine,
     ro: Rollout,
-    rows: Tensor,
-    parts: list[slice],
+    parts: list[Tensor],
     mask_replay: bool,
     mine: Tensor | None = None,
 ) -> ObjectiveOutput | None:
@@ -262,16 +266,17 @@ def backward_through_logp(
     whole minibatch (its denominators, quantiles, sequence-level ratios, random draws and state
     are the one-shot step's), its backward gives g = ∂L/∂logp [b, T]; then each micro-batch is
     scored again with grad and backpropagates its rows of g, the parameters' .grad summing them.
-    Across ranks `logp` and `mb` are the global minibatch's (every rank computes the same L and
-    g), `rows` this rank's rows of the rollout and `mine` their positions in the minibatch: each
-    rank backpropagates its rows of g and the sharded gradient sums the ranks'."""
+    `parts` are the micro-batches' rows of the rollout: consecutive runs of this rank's rows, in
+    order. Across ranks `logp` and `mb` are the global minibatch's (every rank computes the same
+    L and g) and `mine` this rank's rows' positions in the minibatch: each rank backpropagates
+    its rows of g and the sharded gradient sums the ranks'."""
     res = backward_whole(objective, logp, mb)
     if res is None:
         return None
     g = logp.grad if mine is None else logp.grad[mine, : ro.response_ids.shape[1]]
-    for p in parts:
-        out = policy.logp(ro, rows[p], grad=True, stats=False, mask_replay=mask_replay)
-        out["logp"].backward(g[p])
+    for rows, g_rows in zip(parts, g.split([len(r) for r in parts])):
+        out = policy.logp(ro, rows, grad=True, stats=False, mask_replay=mask_replay)
+        out["logp"].backward(g_rows)
     policy.idle_passes(ro, policy.passes(len(parts)) - len(parts), grad=True)
     return res
 
@@ -284,26 +289,20 @@ def trust_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> float:
 
 
 def update(
-    policy: Engine,
+    learner: Learner,
     objective,
     batch: TokenBatch,
     ro: Rollout,
     schedule: Sequence[tuple[Tensor, int]],
-    opt,
-    grad_clip: float,
+    options: StepOptions,
     *,
-    mask_replay: bool = True,
-    logp_old_source: str = "trainer",
     calibrate: bool = False,
-    on_step: Callable[[], None] | None = None,
-    restore: Callable[[], None] | None = None,
     shadow: ShadowPass | None = None,
-    ranks: Ranks = ONE,
 ) -> tuple[TokenBatch, list[dict[str, float]], int]:
-    """One optimizer step per (rows, lag) minibatch of `schedule`, in order. `batch.logp_old`
-    None: the first pass's detached π_θ is the trainer's score at the behaviour weights (one
-    minibatch only), and π_old is it or, with `logp_old_source="sampler"`, μ (as `collect` does
-    for a separate recompute). `calibrate`: the last
+    """One optimizer step of `learner` per (rows, lag) minibatch of `schedule`, in order.
+    `batch.logp_old` None: the first pass's detached π_θ is the trainer's score at the behaviour
+    weights (one minibatch only), and π_old is it or, with `logp_old_source="sampler"`, μ (as
+    `collect` does for a separate recompute). `calibrate`: the last
     minibatch feeds the objective's calibration before its update (calibrated clipping: the
     trainer recompute `logp_recompute` is its high-precision π_old, `logp_old` the
     low-precision one; with a low-precision trainer, `shadow` gives the high-precision π_θ and
@@ -311,21 +310,21 @@ def update(
     precisions clip α (arXiv 2609.22870's shadow pass: π_θ and π_old at BF16): at lag 0 the
     first minibatch has π_θ = π_old, so r_hp ≡ 1 and α_low ≡ 0 whatever the data; the last one
     has moved by every earlier update of the batch (validation refuses a schedule with none).
-    `on_step()` runs after each optimizer step (the loop's weight history); `restore()` after a
-    step that made a weight non-finite (see `optimizer_step`). With the policy's
+    With the policy's
     `micro_batch_tokens` a minibatch that needs more than one micro-batch is scored without grad
     first, micro-batch by micro-batch (that pass is π_old when the training pass doubles as it),
     and the gradient is accumulated by `backward_through_logp`: the step equals the one-shot
     step up to float rounding, at the cost of one forward without grad. Returns (the batch with
     π_old, per-minibatch metrics, number of minibatches skipped as non-finite).
 
-    Across `ranks`, `batch` and `schedule` are the global batch's (every rank holds all of it),
-    `ro` is this rank's share of the rows (`Ranks.share`): each minibatch is scored without grad
-    on each rank's rows, gathered, and trained through `backward_through_logp`."""
+    Across `learner.ranks`, `batch` and `schedule` are the global batch's (every rank holds all
+    of it), `ro` is this rank's share of the rows (`Ranks.share`): each minibatch is scored
+    without grad on each rank's rows, gathered, and trained through `backward_through_logp`."""
     if batch.logp_old is None and len(schedule) != 1:
         raise ValueError("π_old from the training pass needs exactly one minibatch")
     metrics: list[dict[str, float]] = []
     skipped = 0
+    policy, ranks, mask_replay = learner.policy, learner.ranks, options.mask_replay
     policy.model.train()
     own = ranks.share(batch.mask.shape[0])
     last = len(schedule) - 1
@@ -338,7 +337,7 @@ def update(
         if ranks.world > 1:
             mine = ((rows >= own.start) & (rows < own.stop)).nonzero()[:, 0]
             local = rows[mine] - own.start
-        parts = [p for p in policy.micro_batches(ro, local) if p.stop > p.start]
+        parts = [local[p] for p in policy.micro_batches(ro, local) if p.stop > p.start]
         whole = len(parts) == 1 and mine is None  # the pass with grad is the loss's input
         out = policy.logp(
             ro, local, grad=whole, stats=batch.logp_old is None, mask_replay=mask_replay
@@ -348,23 +347,14 @@ def update(
         if batch.logp_old is None:  # the pass is in `rows` order (a permutation of all rows)
             order = torch.empty_like(rows)
             order[rows] = torch.arange(len(rows), device=rows.device)
-            batch = batch.with_old({k: v[order] for k, v in out.items()}, logp_old_source)
+            batch = batch.with_old({k: v[order] for k, v in out.items()}, options.logp_old_source)
         logp, mb = out["logp"], batch.index(rows)
         if whole:
             backward = partial(backward_whole, objective, logp, mb)
         else:
             logp = logp.detach().requires_grad_()
             backward = partial(
-                backward_through_logp,
-                objective,
-                logp,
-                mb,
-                policy,
-                ro,
-                local,
-                parts,
-                mask_replay,
-                mine,
+                backward_through_logp, objective, logp, mb, policy, ro, parts, mask_replay, mine
             )
         if calibrate and i == last:
             hp, hp_old = (shadow.current(rows), old_hp) if shadow else (logp, mb.logp_recompute)
@@ -374,7 +364,7 @@ def update(
                 )
             )
         trust = trust_log_ratio(logp.detach(), mb.logp_old, mb.mask)
-        m = step_and_log(policy.model, backward, lag, opt, grad_clip, restore, on_step)
+        m = step_and_log(learner, backward, lag, options.grad_clip)
         skipped += m is None
         metrics += [m | {"trust/mean_abs_log_ratio": trust}] if m is not None else []
     policy.model.eval()
@@ -382,16 +372,16 @@ def update(
 
 
 def student_teacher_logits(
-    student: Engine, teacher: torch.nn.Module, ro: Rollout, rows, teacher_ids, teacher_mask
+    student: Engine, teacher: Teacher, ro: Rollout, rows: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Full logits at the response positions: the student's (with grad) and the frozen teacher's
     conditioned on its privileged prompt (same response tokens, longer prompt)."""
     T = ro.response_ids.shape[1]
     s = student.model(input_ids=ro.tokens[rows], attention_mask=ro.attention_mask[rows]).logits
-    t_ids = torch.cat([teacher_ids, ro.response_ids[rows]], 1)
-    t_mask = torch.cat([teacher_mask, ro.response_mask[rows].long()], 1)
+    t_ids = torch.cat([teacher.ids[rows], ro.response_ids[rows]], 1)
+    t_mask = torch.cat([teacher.mask[rows], ro.response_mask[rows].long()], 1)
     with torch.no_grad():
-        t = teacher(input_ids=t_ids, attention_mask=t_mask).logits
+        t = teacher.model(input_ids=t_ids, attention_mask=t_mask).logits
     return s[:, -T - 1 : -1], t[:, -T - 1 : -1]
 
 
@@ -416,14 +406,11 @@ def weighted_sum(outs: list[ObjectiveOutput], weights: list[Tensor]) -> Objectiv
 
 def backward_distill(
     student: Engine,
-    teacher: torch.nn.Module,
+    teacher: Teacher,
     objective,
-    mask: Tensor,
     ro: Rollout,
     rows: Tensor,
     parts: list[slice],
-    teacher_ids: Tensor,
-    teacher_mask: Tensor,
     extra: PartMetrics | None,
 ) -> ObjectiveOutput | None:
     """OPSD's loss and metrics are token means over the minibatch, with a denominator N (its
@@ -433,16 +420,17 @@ def backward_distill(
     The student's and the teacher's logits exist for one micro-batch at a time. Across ranks N is
     the global minibatch's (summed over the ranks), so each rank's loss and metrics are its share
     of the global ones and their sum over the ranks is the global minibatch's."""
+    mask = ro.response_mask
     n_total = distributed.sum_over_ranks(mask[rows].sum()).to(mask.device)
     outs, weights, collected = [], [], []
     for k in range(student.passes(len(parts))):
         if k >= len(parts):  # a pass that adds nothing: FSDP's collectives stay paired
             r = torch.zeros(1, dtype=torch.long, device=rows.device)
-            s, _ = student_teacher_logits(student, teacher, ro, r, teacher_ids[r], teacher_mask[r])
+            s, _ = student_teacher_logits(student, teacher, ro, r)
             (s.sum() * 0.0).backward()
             continue
         r = rows[parts[k]]
-        s, t = student_teacher_logits(student, teacher, ro, r, teacher_ids[r], teacher_mask[r])
+        s, t = student_teacher_logits(student, teacher, ro, r)
         res = objective(s, t, mask[r])
         if not distributed.all_true(torch.isfinite(res.loss)):
             return None
@@ -475,51 +463,35 @@ def sum_outputs(res):
 
 
 def update_distill(
-    student: Engine,
-    teacher: torch.nn.Module,
+    learner: Learner,
+    teacher: Teacher,
     objective,
-    batch: TokenBatch,
     ro: Rollout,
     schedule: Sequence[tuple[Tensor, int]],
-    opt,
-    grad_clip: float,
-    teacher_ids: Tensor,
-    teacher_mask: Tensor,
+    options: StepOptions,
     extra_metrics: PartMetrics | None = None,
-    on_step: Callable[[], None] | None = None,
-    restore: Callable[[], None] | None = None,
-    ranks: Ranks = ONE,
 ) -> tuple[list[dict[str, float]], int]:
-    """OPSD: the student minimises `objective(student_logits, teacher_logits, mask)` on its own
-    samples, one optimizer step per minibatch, in micro-batches of at most the student's
-    `micro_batch_tokens` (a row counts its longer prompt, the teacher's privileged one, plus its
-    response); `extra_metrics` adds per-minibatch metrics (the loop's exit mass at first-copy
-    positions). Across `ranks`, `schedule` holds global row ids, and `batch`, `ro` and the
-    teacher's inputs are this rank's share of the rows (`Ranks.share`)."""
+    """OPSD: the student (`learner.policy`) minimises `objective(student_logits, teacher_logits,
+    mask)` on its own samples, one optimizer step per minibatch, in micro-batches of at most the
+    student's `micro_batch_tokens` (a row counts its longer prompt, the teacher's privileged one,
+    plus its response); `extra_metrics` adds per-minibatch metrics (the loop's exit mass at
+    first-copy positions). Across `learner.ranks`, `schedule` holds global row ids, and `ro` and
+    the teacher's prompts are this rank's share of the rows (`Ranks.share`)."""
     metrics: list[dict[str, float]] = []
     skipped = 0
+    student, ranks = learner.policy, learner.ranks
     student.model.train()
-    own = ranks.share(ranks.world * batch.mask.shape[0])
+    own = ranks.share(ranks.world * ro.response_mask.shape[0])
     for rows, lag in schedule:
         rows = rows.to(student.device)
         rows = rows[(rows >= own.start) & (rows < own.stop)] - own.start
-        n_tokens = teacher_mask[rows].sum(1) + ro.response_mask[rows].sum(1)
+        n_tokens = teacher.mask[rows].sum(1) + ro.response_mask[rows].sum(1)
         n_tokens = torch.maximum(ro.attention_mask[rows].sum(1), n_tokens)
         parts = micro_batches(n_tokens, student.micro_batch_tokens)
         backward = partial(
-            backward_distill,
-            student,
-            teacher,
-            objective,
-            batch.mask,
-            ro,
-            rows,
-            parts,
-            teacher_ids,
-            teacher_mask,
-            extra_metrics,
+            backward_distill, student, teacher, objective, ro, rows, parts, extra_metrics
         )
-        m = step_and_log(student.model, backward, lag, opt, grad_clip, restore, on_step)
+        m = step_and_log(learner, backward, lag, options.grad_clip)
         skipped += m is None
         metrics += [m] if m is not None else []
     student.model.eval()
@@ -544,9 +516,7 @@ def evaluate(
     try:
         ro = engine.generate(
             [p.prompt for p in problems[mine]],
-            n=1,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
+            Sampling(n=1, max_new_tokens=max_new_tokens, temperature=temperature),
             seed=seed,
             batch_rows=(mine.start, len(problems)) if ranks.world > 1 else None,
         )

@@ -30,6 +30,7 @@ from harness.base.models import cache_dir, weights_sha
 from harness.sampling.logprobs import check_sampling, kept_support, process_logits
 from harness.sampling.rollout import (
     Rollout,
+    Sampling,
     SecondEngine,
     check_request,
     encode_prompts,
@@ -145,8 +146,9 @@ class Ct2Engine(SecondEngine):
             if old.parent == self._syncs:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress,
-               batch_rows) -> Rollout:  # fmt: skip
+    def sample(self, prompts, sampling: Sampling, seed, progress, batch_rows) -> Rollout:
+        n, max_new_tokens = sampling.n, sampling.max_new_tokens
+        temperature, top_p, top_k = sampling.temperature, sampling.top_p, sampling.top_k
         self.whole_batch(batch_rows)
         check_sampling(temperature, top_k, top_p)
         ids, attn = encode_prompts(self.tokenizer, prompts)
@@ -205,7 +207,6 @@ class Ct2Engine(SecondEngine):
             mus,
             sups if truncated else None,
             self.pad_id,
-            n,
-            temperature,
+            sampling,
             self.device,
         )

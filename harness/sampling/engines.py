@@ -45,6 +45,7 @@ from harness.sampling.logprobs import (
 from harness.sampling.rollout import (
     Rollout,
     Sampler,
+    Sampling,
     check_request,
     copy_weights,
     encode_prompts,
@@ -294,10 +295,11 @@ class Engine(Sampler):
         return out.logits[:, -1].float()
 
     @torch.no_grad()
-    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress,
-               batch_rows) -> Rollout:  # fmt: skip
+    def sample(self, prompts, sampling: Sampling, seed, progress, batch_rows) -> Rollout:
         """`Sampler.generate` on this process's transformers model: a shared prompt prefill, the
         KV cache, finished rows dropped from the decode batch, β injected by the noise hooks."""
+        n, max_new_tokens = sampling.n, sampling.max_new_tokens
+        temperature, top_p, top_k = sampling.temperature, sampling.top_p, sampling.top_k
         check_sampling(temperature, top_k, top_p)
         ids, attn = self.encode_prompts(prompts)
         check_request(n, max_new_tokens, ids.shape[1], self.max_len)

@@ -14,6 +14,18 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """What μ samples: n responses per prompt, at most max_new_tokens each, under temperature /
+    top-p / top-k (the law `logp_mu` is taken under)."""
+
+    n: int = 1
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
 @dataclass
 class Rollout:
     """B = n_prompts × n rows; row i*n + j is the j-th sample of prompt i."""
@@ -67,14 +79,14 @@ def pack_rollout(
     mus: list[Tensor],
     sups: list[Tensor] | None,
     pad_id: int,
-    n: int,
-    temperature: float,
+    sampling: Sampling,
     device: torch.device,
 ) -> Rollout:
-    """The `Rollout` of an engine that samples row by row (CTranslate2, vLLM): `ids`/`attn` the
-    [B, P] prompts of the B = n_prompts × n rows, per row its sampled ids `toks` [L_b] and their
-    log μ `mus` [L_b], and with a truncated law its kept support `sups` [L_b, K_b] (−1 padded;
-    None: nothing truncated). Right-padded into [B, T] and [B, T, K], handed over on `device`."""
+    """The `Rollout` of an engine that samples row by row (CTranslate2, vLLM) under `sampling`:
+    `ids`/`attn` the [B, P] prompts of the B = n_prompts × n rows, per row its sampled ids
+    `toks` [L_b] and their log μ `mus` [L_b], and with a truncated law its kept support `sups`
+    [L_b, K_b] (−1 padded; None: nothing truncated). Right-padded into [B, T] and [B, T, K],
+    handed over on `device`."""
     B, T = len(toks), max(len(t) for t in toks)
     response = torch.full((B, T), pad_id, dtype=torch.long)
     mask = torch.zeros(B, T)
@@ -95,8 +107,8 @@ def pack_rollout(
         response_mask=mask.to(device),
         logp_mu=logp_mu.to(device),
         support=support,
-        prompt_index=torch.arange(B // n).repeat_interleave(n).to(device),
-        temperature=temperature,
+        prompt_index=torch.arange(B // sampling.n).repeat_interleave(sampling.n).to(device),
+        temperature=sampling.temperature,
     )
 
 
@@ -138,26 +150,27 @@ class Sampler:
     def generate(
         self,
         prompts: list[str] | list[list[int]],
-        n: int = 1,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        sampling: Sampling,
+        *,
         seed: int = 0,
         progress: bool = False,
         batch_rows: tuple[int, int] | None = None,
     ) -> Rollout:
-        """n samples of each prompt (text, or token ids) under temperature / top-p / top-k,
-        seeded by `seed`. `batch_rows` (first, total): this call's rows are rows first,
-        first + 1, ... of a batch of `total` rows whose random draws it shares (a rank's share
-        of the step's groups): row i gets the draws row first + i gets when one call samples
-        the whole batch."""
-        return self.sample(
-            prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress, batch_rows
-        )
+        """`sampling.n` samples of each prompt (text, or token ids) under `sampling`'s law, seeded
+        by `seed`. `batch_rows` (first, total): this call's rows are rows first, first + 1, ...
+        of a batch of `total` rows whose random draws it shares (a rank's share of the step's
+        groups): row i gets the draws row first + i gets when one call samples the whole
+        batch."""
+        return self.sample(prompts, sampling, seed, progress, batch_rows)
 
-    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress,
-               batch_rows) -> Rollout:  # fmt: skip
+    def sample(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling: Sampling,
+        seed: int,
+        progress: bool,
+        batch_rows: tuple[int, int] | None,
+    ) -> Rollout:
         raise NotImplementedError
 
     def load_weights_from_state(self, state: dict[str, Tensor]) -> None:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from harness.sampling.ct2 import Ct2Engine, check_compute_type, require_ct2
 from harness.sampling.engines import Engine
 from harness.sampling.rollout import Sampler
-from harness.sampling.vllm_engine import VllmEngine, check_vllm
+from harness.sampling.vllm_engine import VllmEngine, VllmOptions, check_vllm
 
 
 def _hf(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> Engine:
@@ -29,16 +29,15 @@ def _ct2(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> Ct2E
 
 
 def _vllm(model, tokenizer, noise, eng: DictConfig, log_dir: Path | None) -> VllmEngine:
-    return VllmEngine(
-        model,
-        tokenizer,
+    options = VllmOptions(
         dtype=eng.sampler_dtype,
         python=eng.vllm.python,
         start_timeout_s=eng.vllm.start_timeout_s,
         gpus=eng.vllm.gpus,
         gpu_memory_utilization=eng.vllm.gpu_memory_utilization,
-        log=None if log_dir is None else log_dir / "vllm_worker.log",
     )
+    log = None if log_dir is None else log_dir / "vllm_worker.log"
+    return VllmEngine(model, tokenizer, options, log)
 
 
 ENGINES: dict[str, Callable[..., Sampler]] = {"hf": _hf, "ct2": _ct2, "vllm": _vllm}

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from harness.base.models import cache_dir
 from harness.sampling.logprobs import check_sampling
 from harness.sampling.rollout import (
     Rollout,
+    Sampling,
     SecondEngine,
     check_request,
     encode_prompts,
@@ -80,10 +82,29 @@ class WorkerDied(RuntimeError):
     pass
 
 
+@dataclass(frozen=True, kw_only=True)
+class VllmOptions:
+    """The vLLM engine's settings (engine.sampler_dtype and engine.vllm.*): its dtype, the
+    worker's Python (None: `default_python()`) and start-up timeout, the engine's seed, the GPUs
+    it sees and its share of their memory, the log-probs it reports (processed: under the law
+    sampled from) and the worker's PYTHONPATH (where an installed ratiolab's entry points are)."""
+
+    dtype: str = "fp32"
+    python: str | None = None
+    start_timeout_s: float = 600.0
+    seed: int = 0
+    gpus: str | None = None
+    gpu_memory_utilization: float = 0.5
+    logprobs_mode: str = "processed_logprobs"
+    pythonpath: str = ""
+
+
 class VllmEngine(SecondEngine):
     """The sampler μ on vLLM (a worker process). `model` (an HF causal LM) holds the weights the
     worker loads; a weight sync copies new weights into it and writes them for the worker (the
-    cost is kept in `sync_s`). Same `generate` contract as `harness.sampling.engines.Engine`."""
+    cost is kept in `sync_s`). Same `generate` contract as `harness.sampling.engines.Engine`.
+    `extra_args` (None, or a dict a caller sets) go with every request to the logits
+    processors."""
 
     name = "vllm"
 
@@ -91,20 +112,12 @@ class VllmEngine(SecondEngine):
         self,
         model,
         tokenizer,
-        dtype: str = "fp32",
-        python: str | None = None,
-        start_timeout_s: float = 600.0,
-        seed: int = 0,
+        options: VllmOptions | None = None,
         log: str | Path | None = None,
-        gpus: str | None = None,
-        gpu_memory_utilization: float = 0.5,
-        logprobs_mode: str = "processed_logprobs",
-        extra_args: dict | None = None,
-        pythonpath: str = "",
     ):
+        self.options = options = options or VllmOptions()
         self.model = model.float()
         self.tokenizer = tokenizer
-        self.dtype = dtype
         self.noise: list = []  # β is the engine's own: nothing is injected
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = eos_ids(model)
@@ -114,14 +127,13 @@ class VllmEngine(SecondEngine):
         self._dir = Path(tempfile.mkdtemp(prefix="ratiolab-vllm-"))
         self.log = Path(log) if log else self._dir / "worker.log"
         self.proc = None
-        self.gpus, self.gpu_memory_utilization = gpus, gpu_memory_utilization
-        self.logprobs_mode, self.extra_args, self.pythonpath = logprobs_mode, extra_args, pythonpath
+        self.extra_args: dict | None = None
         self._write_weights(self._dir / "weights")
-        self._start(resolve_python(python), start_timeout_s, seed)
+        self._start(resolve_python(options.python), options.start_timeout_s)
 
     # --- the worker ------------------------------------------------------------------------
 
-    def _start(self, python: Path, timeout: float, seed: int) -> None:
+    def _start(self, python: Path, timeout: float) -> None:
         to_worker_r, self._to_worker = os.pipe()
         self._from_worker, from_worker_w = os.pipe()
         env = {
@@ -131,10 +143,10 @@ class VllmEngine(SecondEngine):
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "OMP_NUM_THREADS": str(torch.get_num_threads()),
-            "PYTHONPATH": self.pythonpath,
+            "PYTHONPATH": self.options.pythonpath,
         }
-        if self.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.gpus)
+        if self.options.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.options.gpus)
         self._log_file = open(self.log, "ab")
         self.proc = subprocess.Popen(
             [str(python), str(WORKER), "--fd-in", str(to_worker_r), "--fd-out", str(from_worker_w)],
@@ -151,11 +163,11 @@ class VllmEngine(SecondEngine):
         init = {
             "op": "init",
             "model": str(self._dir / "weights"),
-            "dtype": DTYPES[self.dtype],
+            "dtype": DTYPES[self.options.dtype],
             "max_model_len": self.max_len or 4096,
-            "seed": seed,
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "logprobs_mode": self.logprobs_mode,
+            "seed": self.options.seed,
+            "gpu_memory_utilization": self.options.gpu_memory_utilization,
+            "logprobs_mode": self.options.logprobs_mode,
         }
         try:
             self.version = self._call(init, timeout=timeout)["version"]
@@ -229,31 +241,28 @@ class VllmEngine(SecondEngine):
 
     # --- sampling --------------------------------------------------------------------------
 
-    def sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, seed, progress,
-               batch_rows) -> Rollout:  # fmt: skip
+    def sample(self, prompts, sampling: Sampling, seed, progress, batch_rows) -> Rollout:
         """One call to the worker for the whole batch (no progress bar)."""
         self.whole_batch(batch_rows)
-        check_sampling(temperature, top_k, top_p)
+        n, top_k = sampling.n, sampling.top_k
+        check_sampling(sampling.temperature, top_k, sampling.top_p)
         ids, attn = encode_prompts(self.tokenizer, prompts)
-        check_request(n, max_new_tokens, ids.shape[1], self.max_len)
+        check_request(n, sampling.max_new_tokens, ids.shape[1], self.max_len)
         # vLLM reports the kept support only under top-k (top-p alone with mask replay is
         # refused by check_vllm)
         truncated = top_k > 0
-        reply = self._call(
-            {
-                "op": "sample",
-                "prompts": [r[m.bool()].tolist() for r, m in zip(ids, attn)],
-                "n": n,
-                "temperature": temperature,
-                "top_p": top_p,
-                "top_k": top_k,
-                "max_tokens": max_new_tokens,
-                "stop_ids": self.eos_ids.tolist(),
-                "seed": seed,
-                "support": top_k if truncated else 0,
-                "extra_args": self.extra_args,
-            }
-        )
+        params = {  # vLLM's SamplingParams (top_k −1: off)
+            "n": n,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": top_k if truncated else -1,
+            "max_tokens": sampling.max_new_tokens,
+            "stop_token_ids": self.eos_ids.tolist(),
+            "logprobs": top_k if truncated else 0,
+            "extra_args": self.extra_args,
+        }
+        prompt_ids = [r[m.bool()].tolist() for r, m in zip(ids, attn)]
+        reply = self._call({"op": "sample", "prompts": prompt_ids, "params": params, "seed": seed})
         toks = [torch.tensor(t, dtype=torch.long) for t in reply["tokens"]]
         mus = [torch.tensor(mu, dtype=torch.float32) for mu in reply["logp"]]
         if not all(torch.isfinite(mu).all() for mu in mus):
@@ -276,8 +285,7 @@ class VllmEngine(SecondEngine):
             mus,
             sups,
             self.pad_id,
-            n,
-            temperature,
+            sampling,
             self.device,
         )
 

@@ -10,14 +10,15 @@ Protocol: one JSON object per line on the pipe the harness passes as fd `--fd-in
   {"op": "init", "model": folder, "dtype": "float32"|"bfloat16", "max_model_len": int,
    "seed": int, "gpu_memory_utilization": float (CUDA only), "logprobs_mode": str}
       → {"ok", "version", "device"}
-  {"op": "sample", "prompts": [[token ids]], "n", "temperature", "top_p", "top_k",
-   "max_tokens", "stop_ids": [ids], "seed": int, "support": int, "extra_args": dict | null}
+  {"op": "sample", "prompts": [[token ids]], "params": {vLLM's SamplingParams: "n",
+   "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs": int,
+   "extra_args": dict | null}, "seed": int}
       → {"ok", "tokens": [[ids]], "logp": [[floats]], "support": [[[ids]]] | null}
         rows prompt-major (prompt i's n samples are rows i*n .. i*n+n-1). `logp` is the sampled
         token's log-probability under the processed law (logprobs_mode=processed_logprobs:
         after logits processors, temperature, top-k and top-p; raw_logprobs: before any of
-        them); `support` (when > 0) the ids of the `support` most likely tokens under that law
-        that are kept (finite log-prob), per step. `extra_args` reach the logits processors
+        them); `support` (when "logprobs" > 0) the ids of the "logprobs" most likely tokens under
+        that law that are kept (finite log-prob), per step. `extra_args` reach the logits processors
         (harness.integrations.vllm_noise reads its noise there).
   {"op": "load", "path": folder} → {"ok", "seconds"}   new weights from a safetensors folder
   {"op": "exit"}
@@ -86,24 +87,12 @@ class Worker:
         )
         return {"version": vllm.__version__, "device": "cuda" if kw else "cpu"}
 
-    def sample(
-        self, prompts, n, temperature, top_p, top_k, max_tokens, stop_ids, seed, support, extra_args
-    ) -> dict:
+    def sample(self, prompts, params: dict, seed: int) -> dict:
         import torch
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(
-            n=n,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k if top_k > 0 else -1,
-            max_tokens=max_tokens,
-            stop_token_ids=stop_ids,
-            logprobs=support,
-            detokenize=False,
-            ignore_eos=False,
-            extra_args=extra_args,
-        )
+        n, support = params["n"], params["logprobs"]
+        params = SamplingParams(**params, detokenize=False, ignore_eos=False)
         torch.manual_seed(seed)
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False

@@ -34,6 +34,7 @@ from harness.base.models import (
 )
 from harness.noise import Fp8Noise, NoiseModel
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 from harness.stats.diagnostics import CONF_EDGES, bin_index, bin_label
 
 PROMPTS = (
@@ -132,7 +133,7 @@ def fp8_fidelity(
     noises = {path: Fp8Noise(kernel=path, **recipe) for path in PATHS}
     noises["scaled_mm"].check_model(model)
     ro = Engine(model, tokenizer).generate(
-        list(prompts), n=n, max_new_tokens=max_new_tokens, seed=seed
+        list(prompts), Sampling(n=n, max_new_tokens=max_new_tokens), seed=seed
     )
     batch = (ro.tokens, ro.attention_mask, ro.n_prompt)
     scores = {}

@@ -49,6 +49,10 @@ from torch import Tensor
 from harness.base.batch import log_rho
 from harness.stats.diagnostics import BAND, CAP, CONF_EDGES, MATCH_TOL, bin_index, ess_from_sums
 
+# Table 3's fixed thresholds: the share of tokens with |Δ| below SMALL, the tokens with trainer
+# confidence p_t below LOW_CONF, and the fork tokens (the FORK_FRAC least confident under μ)
+SMALL, LOW_CONF, FORK_FRAC = 1e-4, 0.3, 0.2
+
 TABLE6_COLUMNS = [
     "bin_lo",
     "bin_hi",
@@ -241,19 +245,13 @@ class DeltaStats:
         *,
         cap: float = CAP,
         band: tuple[float, float] = BAND,
-        match_tol: float = MATCH_TOL,
-        small: float = 1e-4,
-        low_conf: float = 0.3,
-        fork_frac: float = 0.2,
-        buckets: LogBuckets | None = None,
         boot: int = 200,
         boot_seed: int = 0,
     ):
         self.edges = [float(e) for e in edges]
         self.n_bins = len(self.edges) - 1
-        self.cap, self.band, self.match_tol = cap, (float(band[0]), float(band[1])), match_tol
-        self.small, self.low_conf, self.fork_frac = small, low_conf, fork_frac
-        self.lb = buckets or LogBuckets()
+        self.cap, self.band = cap, (float(band[0]), float(band[1]))
+        self.lb = LogBuckets()
         nb, S = self.n_bins, self.lb.size
         self.moments = BinnedMoments(nb, 1)
         self.boot = SeqBootstrap(nb, boot, boot_seed) if boot else None  # needs `seq`
@@ -333,8 +331,8 @@ class DeltaStats:
         self.q_m += np.bincount(qi, a, S)
         self.q_out += np.bincount(qi, out, S)
         r = np.exp(np.clip(d, -50, 50))
-        nonmatch = a > self.match_tol
-        low = conf < self.low_conf
+        nonmatch = a > MATCH_TOL
+        low = conf < LOW_CONF
         s = self.s
         s["n"] += len(d)
         s["r"] += r.sum()
@@ -391,16 +389,14 @@ class DeltaStats:
         return float(n[:j].sum() / max(n.sum(), 1))
 
     def _fork(self) -> tuple[float, float, float]:
-        """(sampler-confidence threshold of the bottom `fork_frac`, its share of Σ|Δ|, share of
+        """(sampler-confidence threshold of the bottom FORK_FRAC, its share of Σ|Δ|, share of
         out-of-band tokens that are fork tokens); the threshold bucket is split pro rata."""
-        thr = float(self.lb.quantile(self.q_n, self.fork_frac)[0])
+        thr = float(self.lb.quantile(self.q_n, FORK_FRAC)[0])
         cum = np.cumsum(self.q_n)
         j = int(
-            np.clip(
-                np.searchsorted(cum, self.fork_frac * cum[-1], side="right"), 0, self.lb.size - 1
-            )
+            np.clip(np.searchsorted(cum, FORK_FRAC * cum[-1], side="right"), 0, self.lb.size - 1)
         )
-        frac = (self.fork_frac * cum[-1] - (cum[j - 1] if j else 0.0)) / max(self.q_n[j], 1e-300)
+        frac = (FORK_FRAC * cum[-1] - (cum[j - 1] if j else 0.0)) / max(self.q_n[j], 1e-300)
         frac = float(np.clip(frac, 0, 1))
 
         def below(h):
@@ -424,12 +420,12 @@ class DeltaStats:
             "p95": qs[2],
             "p99": qs[3],
             "max": self.max_abs,
-            f"frac_below_{self.small:g}": self.cdf_abs(self.small),
+            f"frac_below_{SMALL:g}": self.cdf_abs(SMALL),
             "top1_share": self.top_share(0.01),
             "top10_share": self.top_share(0.10),
             "corr_conf_abs": float(self.corr.corr(0, 1)[0]),
-            f"low_conf_token_share(p<{self.low_conf:g})": self.s["n_low"] / n,
-            f"low_conf_mass_share(p<{self.low_conf:g})": self.s["m_low"] / max(mass, 1e-300),
+            f"low_conf_token_share(p<{LOW_CONF:g})": self.s["n_low"] / n,
+            f"low_conf_mass_share(p<{LOW_CONF:g})": self.s["m_low"] / max(mass, 1e-300),
             "fork_conf_threshold": thr,
             "fork_mass_share": fork_mass,
             f"band_fork_share[{self.band[0]:g},{self.band[1]:g}]": band_fork,

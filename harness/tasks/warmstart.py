@@ -43,6 +43,7 @@ from harness.base.io import make_temp_dir, write_json_atomic
 from harness.base.models import cache_dir, char_tokenizer, weights_sha
 from harness.base.registry import build
 from harness.sampling.engines import Engine
+from harness.sampling.rollout import Sampling
 from harness.tasks import TASKS, Problem, Task, teacher_prompt
 
 SHIPPED = Path(__file__).parent / "task_models"  # the canonical task models
@@ -349,20 +350,23 @@ def evaluate_policy(
     n: int = 256,
     temperature: float = 1.0,
     seed: int = 0,
-    split: str = "eval",
     batch: int = 128,
     privileged: bool = False,
 ) -> dict[str, float]:
-    """Sampled accuracy on `n` problems, plus the fork fraction (response tokens with p_t < 0.5
-    under the T = 1 policy) and the mean per-token entropy. `privileged`: the prompts carry the
-    reference solution (OPSD's teacher format, tasks.TEACHER_PROMPT)."""
+    """Sampled accuracy on `n` held-out problems, plus the fork fraction (response tokens with
+    p_t < 0.5 under the T = 1 policy) and the mean per-token entropy. `privileged`: the prompts
+    carry the reference solution (OPSD's teacher format, tasks.TEACHER_PROMPT)."""
     engine = Engine(model.eval(), tok)
-    problems = task.sample(n, split, seed)
+    problems = task.sample(n, "eval", seed)
     rewards, forks, ents, lens = [], [], [], []
     for i in range(0, n, batch):
         chunk = problems[i : i + batch]
         prompts = [teacher_prompt(p) if privileged else p.prompt for p in chunk]
-        ro = engine.generate(prompts, 1, task.max_new_tokens, temperature, seed=seed + i)
+        ro = engine.generate(
+            prompts,
+            Sampling(n=1, max_new_tokens=task.max_new_tokens, temperature=temperature),
+            seed=seed + i,
+        )
         stats = engine.score(ro.tokens, ro.attention_mask, ro.n_prompt)
         mask = ro.response_mask.bool()
         forks.append(stats["p_t"][mask] < 0.5)
