@@ -8,7 +8,9 @@ arm's step-0 mechanism check as the footer (mechanism.csv).
 
 reads DIR/<exp>/{summary.csv, prereg.yaml, mechanism.csv} (analysis.summarize) and writes
 DIR/<exp>/fig_<exp>.png and .pdf; without names, every experiment under DIR whose runs carry a
-`prereg` (analysis.claims.registered).
+`prereg` (analysis.claims.registered). A named experiment without a prereg is a pilot: the same
+figure, titled PILOT, with the loop rate and both clip shares (the events a pilot looks for)
+in place of registered endpoints and no test over any panel.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ PANELS = [  # column, title, y label
 ]
 
 
+PILOT_PANELS = [
+    ("repetition_terminal_loop_rate", "Terminal loops (5-step mean)", "share of responses"),
+    ("clip_frac_low", "Clipped below, A < 0 (5-step mean)", "share of response tokens"),
+    ("clip_frac_high", "Clipped above, A > 0 (5-step mean)", "share of response tokens"),
+]
+
+
 def panels(prereg: dict) -> list[tuple]:
     """PANELS, then one panel per other summary column an endpoint registers."""
     shown = {col for col, *_ in PANELS}
@@ -36,8 +45,12 @@ def panels(prereg: dict) -> list[tuple]:
 
 
 def draw(root: Path, exp: str) -> None:
-    """The figure of `exp`, titled with its registered claim and source."""
-    prereg = yaml.safe_load((Path(root) / exp / "prereg.yaml").read_text())
+    """The figure of `exp`, titled with its registered claim and source (a pilot: PILOT)."""
+    path = Path(root) / exp / "prereg.yaml"
+    if not path.exists():
+        trajectories(root, exp, PANELS + PILOT_PANELS, f"{exp}: PILOT, no test")
+        return
+    prereg = yaml.safe_load(path.read_text())
     title = f"{exp}: {prereg['claim']} ({prereg['source']})"
     trajectories(root, exp, panels(prereg), title)
 

@@ -171,6 +171,34 @@ def test_the_generic_figure_draws_any_registered_experiment_into_its_folder(tmp_
     assert not list((tmp_path / "unregistered").glob("fig_*"))
 
 
+def test_a_named_pilot_gets_the_generic_figure_with_its_event_panels_and_no_test(tmp_path):
+    """A named experiment without a prereg (a pilot) is drawn with the standard panels, then the
+    loop rate and both clip shares, titled PILOT; no registered test is marked."""
+    from analysis import figure, panels
+
+    fake_summary(tmp_path, "pilot", [("tis", "T", 0.5, 0), ("cis", "C", 0.5, 0)])
+    drawn = {}
+    real = panels.panel_row
+
+    def spy(df, cols, xlabel, title, root, exp, **kw):
+        drawn.update(cols=[c for c, *_ in cols], title=title)
+        return real(df, cols, xlabel, title, root, exp, **kw)
+
+    with pytest.MonkeyPatch.context() as mp, pytest.warns(UserWarning, match="checksum"):
+        mp.setattr(panels, "panel_row", spy)
+        figure.main(["pilot", "--results", str(tmp_path)])
+    assert drawn["cols"] == [
+        "eval_acc",
+        "reward_mean",
+        "entropy_mean",
+        "repetition_terminal_loop_rate",
+        "clip_frac_low",
+        "clip_frac_high",
+    ]
+    assert "PILOT" in drawn["title"]
+    assert (tmp_path / "pilot" / "fig_pilot.png").stat().st_size > 10_000
+
+
 def test_a_run_of_an_arm_its_preset_does_not_declare_fails_the_figure(tmp_path):
     """A figure draws the arms its preset declares (experiments/experiment/<exp>.yaml `arms`,
     in that order: the legend's and the colours'); a run whose arm the preset does not declare
