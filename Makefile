@@ -104,6 +104,7 @@ figures: $(STAMP)  ## every figure and the claims table from the committed CSVs 
 	$(PY) -m analysis.fp8_entropy_surge
 	$(PY) -m analysis.surge_confirm
 	$(PY) -m analysis.smollm2_clip  # the SmolLM2 FP8 pilot and confirmatory sweep
+	$(PY) -m analysis.figure smollm2_clip_dissect  # the dissection pilot (no prereg: drawn as a PILOT)
 	$(PY) -m analysis.smollm2_collapse  # SmolLM2 reject vs clamp under the FP8 β
 	$(PY) -m analysis.smollm2_opsd  # SmolLM2 OPSD loops, clipped vs exact forward KL
 	$(PY) -m analysis.fp8_full_pipeline
