@@ -60,8 +60,9 @@ from benchmarks.common import (
 )
 from harness.base.models import DTYPES
 from harness.rl.alpha import WeightHistory
-from harness.rl.setup import Setup, build_engines, build_train_objective, step_options
+from harness.rl.setup import Setup, build_engines, step_options
 from harness.rl.step import adamw
+from harness.runs.access import train_objective
 from harness.runs.config import schema
 from harness.stats.diagnostics import collapse_guard
 from harness.tasks import Task
@@ -154,7 +155,7 @@ class RatiolabStep:
             old_policy=policy,
             sampler=self.sampler,
             teacher=None,
-            objective=build_train_objective(cfg),
+            objective=train_objective(cfg),
             opt=adamw(model, lr=LR, betas=(cfg.optim.beta1, cfg.optim.beta2)),
             options=step_options(cfg),
             history=WeightHistory(0),

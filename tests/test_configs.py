@@ -267,13 +267,13 @@ def test_an_objective_trains_the_loss_harness_measure_builds(name, tmp_path):
     import torch
 
     from harness.objectives import build_objective
-    from harness.rl.setup import build_train_objective
+    from harness.runs.access import train_objective
     from tests.test_objectives import random_batch
 
     cfg, _, _ = load("train", [f"objective={name}"], tmp_path)
     logp, batch = random_batch()
     losses = []
-    for obj in (build_train_objective(cfg), build_objective(name)):
+    for obj in (train_objective(cfg), build_objective(name)):
         torch.manual_seed(0)  # nsr draws its rescues
         losses.append(obj(logp, batch).loss.item())
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)

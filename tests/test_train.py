@@ -170,10 +170,10 @@ def test_resume_gives_the_same_metrics(tmp_path, name, alternating_reward, devic
 def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):
     from harness.objectives.core import ObjectiveOutput
 
-    real = setup.run_objective
+    real = setup.train_objective
 
-    def nan_objective(name, kw, aggregation):
-        obj = real(name, kw, aggregation)
+    def nan_objective(cfg):
+        obj = real(cfg)
 
         class Nan(type(obj)):
             def __call__(self, logp, batch):
@@ -183,7 +183,7 @@ def test_nonfinite_guard_saves_and_aborts(tmp_path, monkeypatch):
         obj.__class__ = Nan
         return obj
 
-    monkeypatch.setattr(setup, "run_objective", nan_objective)
+    monkeypatch.setattr(setup, "train_objective", nan_objective)
     cfg = _cfg(tmp_path, "steps=10", "guard.max_nonfinite=3", "checkpoint_every=100")
     with pytest.raises(train.TrainingAborted, match="3 consecutive steps"):
         train.run(cfg)

@@ -27,10 +27,10 @@ from harness.base.models import (
 )
 from harness.base.registry import build
 from harness.noise import Fp8Trainer, build_noise
-from harness.objectives import Objective, run_objective
+from harness.objectives import Objective
 from harness.rl.alpha import WeightHistory
 from harness.rl.step import Learner, StepOptions, adamw
-from harness.runs.access import fsdp, noise_nodes, split_node, task_spec
+from harness.runs.access import fsdp, noise_nodes, split_node, task_spec, train_objective
 from harness.sampling.engines import Engine
 from harness.sampling.rollout import Sampler, Sampling
 from harness.sampling.samplers import ENGINES
@@ -185,12 +185,6 @@ def build_engines(cfg: DictConfig, model: torch.nn.Module, tok) -> tuple[Engine,
     return policy, old_policy, sampler, teacher
 
 
-def build_train_objective(cfg: DictConfig) -> Objective:
-    """The objective node's loss, with the aggregation group where it takes one."""
-    name, kw = split_node(cfg.objective)
-    return run_objective(name, kw, OmegaConf.to_container(cfg.aggregation, resolve=True))
-
-
 def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
     set_tf32(cfg.engine.tf32)  # process-wide; the run's one setting
     task, model, tok, identity = build_task_and_model(cfg)
@@ -216,7 +210,7 @@ def build_setup(cfg: DictConfig, ranks: Ranks = ONE) -> Setup:
         old_policy=old_policy,
         sampler=sampler,
         teacher=teacher,
-        objective=build_train_objective(cfg),
+        objective=train_objective(cfg),
         opt=opt,
         options=step_options(cfg),
         history=history,

@@ -1,7 +1,7 @@
 """Reading a composed config: the swept-axis nodes as (registry name, kwargs), μ's noise stack,
-the task's spec, whether the trainer is sharded, and the name a config group's option sets. The
-builders (harness.rl.setup, harness.measure) read the config through these; the checks made
-before compute are harness.runs.validate's."""
+the objective it trains, the task's spec, whether the trainer is sharded, and the name a config
+group's option sets. The builders (harness.rl.setup, harness.measure) read the config through
+these; the checks made before compute are harness.runs.validate's."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import CONFIGS
 from harness.base import distributed
+from harness.objectives import Objective, run_objective
 
 GROUP_NODES = ("task", "noise", "objective", "aggregation")  # node {name, **kwargs} = group file
 
@@ -22,6 +23,13 @@ def split_node(node: Any) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"config node {d} needs a `name` (the registry key)")
     name = d.pop("name")
     return name, d
+
+
+def train_objective(cfg: DictConfig) -> Objective:
+    """The objective a run trains: its node's loss, with the aggregation group where it takes
+    one (`run_objective`); what setup builds and validation asks."""
+    name, kw = split_node(cfg.objective)
+    return run_objective(name, kw, OmegaConf.to_container(cfg.aggregation, resolve=True))
 
 
 def noise_nodes(cfg: DictConfig) -> list[dict[str, Any]]:

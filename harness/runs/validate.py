@@ -18,7 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 from harness.base.batch import ADVANTAGES
 from harness.base.models import BUILTIN_SPECS, DTYPES, resolve_device
 from harness.base.registry import check_kwargs, lookup
-from harness.runs.access import GROUP_NODES, fsdp, group_option_name, noise_nodes, split_node
+from harness.runs.access import (
+    GROUP_NODES,
+    fsdp,
+    group_option_name,
+    noise_nodes,
+    train_objective,
+)
 from harness.runs.prereg import check_prereg
 from harness.runs.tracking import LOGGERS
 from harness.sampling.logprobs import check_sampling
@@ -309,11 +315,9 @@ def check_objective(cfg: DictConfig) -> None:
     """What the objective declares it needs of the run (harness.objectives.core.Objective): a
     teacher exactly when it distils, the aggregation group only where it aggregates, a shadow
     pass that can tell the two precisions apart when it calibrates, and a run long enough."""
-    from harness.objectives import run_objective
-
-    name, kw = split_node(cfg.objective)
+    name = cfg.objective.name
     aggregation = OmegaConf.to_container(cfg.aggregation, resolve=True)
-    obj = run_objective(name, kw, aggregation)
+    obj = train_objective(cfg)
     if cfg.distill.enabled != obj.needs_teacher:
         want = str(obj.needs_teacher).lower()
         if obj.needs_teacher:
